@@ -1,0 +1,42 @@
+"""Process entry: parse, validate, train, and turn expected failures into one line + exit code."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+EXIT_CONFIG = 2  # bad flags or inputs, found before training starts
+EXIT_FAILURE = 1  # a failure during the run (data, checkpoint, NaN, peer rank)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def run_main(argv, model_provider, forward_step) -> int:
+    from megatron_weipipe.arguments import parse_config
+    from megatron_weipipe.config import ConfigError
+
+    logging.basicConfig(level=os.environ.get("MEGATRON_WEIPIPE_LOG_LEVEL", "WARNING"), format="%(message)s")
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+
+    from megatron_weipipe.initialize import shutdown_distributed
+    from megatron_weipipe.training.checkpointing import CheckpointError
+    from megatron_weipipe.training.pretrain import NaNError, pretrain
+
+    try:
+        pretrain(cfg, model_provider, forward_step)
+    except (CheckpointError, NaNError, ValueError, FileNotFoundError) as e:
+        print(f"error: [rank {rank}] {_one_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
+    finally:
+        shutdown_distributed()
+    return 0

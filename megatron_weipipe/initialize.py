@@ -1,0 +1,79 @@
+"""Start torch.distributed and megatron-core's parallel layout for a run."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.parallel import ParallelGroups
+from megatron_weipipe.platform import detect_platform, install_cpu_adapter
+from megatron_weipipe.training.byte_counter import BYTE_COUNTER
+
+log = logging.getLogger(__name__)
+
+
+def initialize_distributed(cfg: PretrainConfig) -> ParallelGroups:
+    """torch.distributed (NCCL on GPU hosts, gloo on CPU hosts) + megatron-core parallel_state."""
+    from megatron.core import parallel_state
+
+    platform = detect_platform()
+    if not platform.is_cuda:
+        install_cpu_adapter()
+    BYTE_COUNTER.install()
+    backend = cfg.parallel.distributed_backend or platform.backend
+    timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if platform.is_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "MASTER_ADDR" not in os.environ:  # a plain `python pretrain_gpt.py` single process
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+    if dist.get_world_size() != cfg.world_size:
+        raise RuntimeError(
+            f"configuration was validated for world size {cfg.world_size} but the process group has "
+            f"{dist.get_world_size()} ranks"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    p = cfg.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(cfg.model.num_layers),
+        context_parallel_size=p.context_parallel_size,
+        distributed_timeout_minutes=p.distributed_timeout_minutes,
+        create_gloo_process_groups=False,
+    )
+    groups = ParallelGroups.from_parallel_state()
+    set_random_seed(cfg.training.seed, groups)
+    return groups
+
+
+def set_random_seed(seed: int, groups: ParallelGroups) -> None:
+    """Megatron's seeding: distinct per pipeline stage, megatron-core's tracker for TP regions."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    stage_seed = seed + 100 * groups.pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % (2**32))
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+
+
+def shutdown_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

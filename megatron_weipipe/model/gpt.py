@@ -1,0 +1,234 @@
+"""GPT / Llama-style models built from megatron-core layer specs."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_weipipe.config import PretrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def use_transformer_engine(cfg: PretrainConfig) -> bool:
+    impl = cfg.model.transformer_impl
+    if impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise RuntimeError("--transformer-impl transformer_engine needs transformer-engine and a GPU")
+        return True
+    return impl == "auto" and transformer_engine_available()
+
+
+def compute_dtype(cfg: PretrainConfig) -> torch.dtype:
+    if cfg.training.bf16:
+        return torch.bfloat16
+    if cfg.training.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = None) -> TransformerConfig:
+    """megatron-core's TransformerConfig from our flags."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    dtype = compute_dtype(cfg)
+    on_gpu = torch.cuda.is_available()
+    ffn = m.ffn_hidden_size
+    if ffn is None:
+        ffn = 4 * m.hidden_size
+        if m.swiglu:  # Megatron's default keeps SwiGLU's parameter count near a 4h GeLU MLP
+            ffn = int(8 * m.hidden_size / 3 / 64 + 0.999) * 64 if m.hidden_size >= 64 else 4 * m.hidden_size
+    kwargs = dict(
+        num_layers=num_layers if num_layers is not None else m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=ffn,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        # Context parallelism here is Ulysses/FPDT, applied around attention by this package;
+        # megatron-core's own (ring attention through TE) stays off.
+        context_parallel_size=1,
+        sequence_parallel=p.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        recompute_granularity=m.recompute_granularity,
+        recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
+        apply_rope_fusion=False,
+        bias_activation_fusion=on_gpu and not m.swiglu and m.add_bias_linear,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deterministic_mode=t.deterministic,
+        # gloo pairs sends to the same peer in posting order; unbatched p2p keeps flows apart.
+        batch_p2p_comm=False,
+    )
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        kwargs["virtual_pipeline_model_parallel_size"] = p.virtual_pipeline_size(m.num_layers)
+    if m.recompute_granularity == "full" and m.recompute_num_layers is None:
+        kwargs["recompute_num_layers"] = 1
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(cfg: PretrainConfig):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_transformer_engine(cfg):
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+
+
+def build_gpt_model(
+    cfg: PretrainConfig,
+    vocab_size: int,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: Optional[int] = None,
+    spec=None,
+) -> GPTModel:
+    """One pipeline stage (or virtual stage) of the GPT model, on this rank's device."""
+    m = cfg.model
+    tconf = build_transformer_config(cfg)
+    model = GPTModel(
+        config=tconf,
+        transformer_layer_spec=spec if spec is not None else layer_spec(cfg),
+        vocab_size=vocab_size,
+        max_sequence_length=m.max_position_embeddings or m.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        rotary_percent=m.rotary_percent,
+        rotary_base=m.rotary_base,
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if m.layout_invariant_init:
+        reinitialize_layout_invariant(model, cfg)
+    return model
+
+
+def _key_seed(seed: int, key: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _init_kind(key: str) -> str:
+    """How megatron-core initialises the tensor behind a sharded-state-dict key."""
+    leaf = key.rsplit(".", 1)[-1]
+    if "layernorm" in key or "layer_norm" in key or key.endswith("norm.weight"):
+        return "ones" if leaf == "weight" else "zeros"
+    if leaf == "bias":
+        return "zeros"
+    if "linear_proj" in key or "linear_fc2" in key:
+        return "scaled_normal"
+    return "normal"
+
+
+@torch.no_grad()
+def reinitialize_layout_invariant(model: torch.nn.Module, cfg: PretrainConfig) -> None:
+    """Re-draw every parameter from a generator seeded by (seed, checkpoint key).
+
+    megatron-core's initialisation depends on how layers are spread over ranks, so the
+    same seed gives a different model at PP=2 than at PP=1. Drawing each global tensor
+    from its own key-seeded generator and keeping this rank's shard makes the model
+    identical under every TP/PP/VPP/WeiPipe layout, so runs under different schedules
+    can be compared and switched.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    std = cfg.model.init_method_std
+    scaled_std = std / math.sqrt(2.0 * cfg.model.num_layers)
+    done = set()
+    for _, sh in _flatten(model.sharded_state_dict()):
+        if not isinstance(sh, ShardedTensor) or not isinstance(sh.data, torch.Tensor):
+            continue
+        if id(sh.data) in done or not sh.data.is_floating_point():
+            continue
+        done.add(id(sh.data))
+        local = sh.data
+        kind = _init_kind(sh.key)
+        if kind == "ones":
+            local.fill_(1.0)
+            continue
+        if kind == "zeros":
+            local.zero_()
+            continue
+        # Stacked layers carry their layer index as leading "prepended" axes.
+        n = sh.prepend_axis_num
+        layer_coords = tuple(sh.global_offset[:n])
+        shape, offsets = sh.global_shape[n:], sh.global_offset[n:]
+        gen = torch.Generator().manual_seed(_key_seed(cfg.training.seed, f"{sh.key}@{layer_coords}"))
+        full = torch.empty(shape, dtype=torch.float32)
+        full.normal_(0.0, scaled_std if kind == "scaled_normal" else std, generator=gen)
+        index = tuple(slice(o, o + size) for o, size in zip(offsets, sh.local_shape[n:] if len(sh.local_shape) > len(shape) else sh.local_shape))
+        local.copy_(full[index].reshape(local.shape).to(local.dtype))
+
+
+def _flatten(d, prefix=""):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    elif isinstance(d, (list, tuple)):
+        for i, v in enumerate(d):
+            yield from _flatten(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], d
+
+
+def stage_layer_offset(cfg: PretrainConfig, pp_rank: int, vp_stage: Optional[int] = None) -> int:
+    """Global index of the first decoder layer held by (pp_rank, vp_stage)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    vpp = cfg.parallel.virtual_pipeline_size(cfg.model.num_layers)
+    if vpp is None:
+        return pp_rank * (cfg.model.num_layers // pp)
+    per = cfg.model.num_layers // (pp * vpp)
+    return (vp_stage or 0) * pp * per + pp_rank * per
+
+
+def num_parameters(model_chunks) -> int:
+    return sum(p.numel() for m in model_chunks for p in m.parameters())
+
+
+def is_pipeline_first(vp_stage: Optional[int] = None) -> bool:
+    return parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+
+
+def is_pipeline_last(vp_stage: Optional[int] = None) -> bool:
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)

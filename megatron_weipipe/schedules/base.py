@@ -1,0 +1,75 @@
+"""What every pipeline schedule provides to the training loop."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.parallel import ParallelGroups
+
+# model_provider(pre_process, post_process, vp_stage) -> GPTModel, as in Megatron-LM.
+ModelProvider = Callable[..., torch.nn.Module]
+# forward_step(data_iterator, model) -> (output_tensor, loss_func), as in Megatron-LM.
+ForwardStep = Callable[..., tuple]
+
+
+@dataclass
+class StepResult:
+    """One iteration's forward/backward outcome on this rank."""
+
+    losses: list[dict[str, torch.Tensor]]  # per microbatch, meaningful where has_loss
+    has_loss: bool  # this rank computed the loss (last pipeline stage, or every WeiPipe rank)
+
+
+class TrainSchedule(ABC):
+    """A way to run forward and backward over a batch of microbatches.
+
+    A schedule decides which model pieces live on this rank (``build_model``) and how
+    microbatches, activations and weights move (``forward_backward``). The optimizer,
+    checkpointing and logging see only ``model_chunks``; the keys of their sharded state
+    dicts do not depend on the schedule, so checkpoints move between schedules.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: PretrainConfig, groups: ParallelGroups):
+        self.cfg = cfg
+        self.groups = groups
+        self.model_chunks: list[torch.nn.Module] = []
+
+    @classmethod
+    def check_config(cls, cfg: PretrainConfig) -> None:
+        """Raise ConfigError for flag combinations this schedule cannot run."""
+
+    @abstractmethod
+    def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
+        ...
+
+    @abstractmethod
+    def forward_backward(
+        self,
+        forward_step: ForwardStep,
+        microbatches: list[dict],
+        forward_only: bool = False,
+    ) -> StepResult:
+        """Run every microbatch of one iteration (this data-parallel replica's share)."""
+
+    def data_shard(self) -> tuple[int, int, int]:
+        """(data rank, number of data ranks, microbatches per iteration) for this rank's loader.
+
+        Megatron's schedules shard samples over data-parallel replicas; every stage of a
+        pipeline reads the same microbatches.
+        """
+        return self.groups.dp_rank, self.groups.dp_size, self.cfg.num_microbatches
+
+    def zero_grad(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+
+    def bytes_moved(self) -> Optional[dict[str, int]]:
+        """Bytes sent by this rank in the last iteration, by kind (None if not counted)."""
+        return None

@@ -1,0 +1,116 @@
+"""Bytes sent and received by this rank, by kind, counted where the process-group calls are made.
+
+Counts are exact and machine-independent (unlike times), so benchmarks and tests can
+compare schedules by them. Point-to-point traffic is attributed to the innermost active
+``scope`` (e.g. "activations" inside Megatron's pipeline schedules, or a WeiPipe flow);
+collectives count as "collectives" with the tensor's size per call (the payload handed to
+the collective, not the algorithm's wire traffic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+class ByteCounter:
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = defaultdict(int)
+        self.received: dict[str, int] = defaultdict(int)
+        self._scopes = threading.local()
+        self._installed = False
+
+    # -- attribution ------------------------------------------------------------------
+    def _kind(self, default: str) -> str:
+        stack = getattr(self._scopes, "stack", None)
+        return stack[-1] if stack else default
+
+    @contextlib.contextmanager
+    def scope(self, kind: str):
+        stack = getattr(self._scopes, "stack", None)
+        if stack is None:
+            stack = self._scopes.stack = []
+        stack.append(kind)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def add_sent(self, kind: str, nbytes: int) -> None:
+        self.sent[kind] += int(nbytes)
+
+    def add_received(self, kind: str, nbytes: int) -> None:
+        self.received[kind] += int(nbytes)
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.received.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {"sent": dict(self.sent), "received": dict(self.received)}
+
+    # -- hooks ------------------------------------------------------------------------
+    def install(self) -> None:
+        """Wrap torch.distributed's p2p and collective calls. Idempotent."""
+        if self._installed:
+            return
+        self._installed = True
+        counter = self
+
+        def nbytes(t) -> int:
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+        def wrap_p2p(fn, sending: bool):
+            @functools.wraps(fn)
+            def inner(tensor, *args, **kwargs):
+                kind = counter._kind("p2p")
+                (counter.add_sent if sending else counter.add_received)(kind, nbytes(tensor))
+                return fn(tensor, *args, **kwargs)
+
+            return inner
+
+        for name, sending in (("isend", True), ("send", True), ("irecv", False), ("recv", False)):
+            setattr(dist, name, wrap_p2p(getattr(dist, name), sending))
+
+        original_batch = dist.batch_isend_irecv
+
+        @functools.wraps(original_batch)
+        def batch_isend_irecv(ops):
+            kind = counter._kind("p2p")
+            for op in ops:
+                sending = getattr(op.op, "__name__", "") in ("isend", "send")
+                (counter.add_sent if sending else counter.add_received)(kind, nbytes(op.tensor))
+            return original_batch(ops)
+
+        dist.batch_isend_irecv = batch_isend_irecv
+
+        def wrap_collective(fn, arg_index=0):
+            @functools.wraps(fn)
+            def inner(*args, **kwargs):
+                t = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
+                if isinstance(t, (list, tuple)):
+                    size = sum(nbytes(x) for x in t)
+                else:
+                    size = nbytes(t)
+                kind = counter._kind("collectives")
+                kind = kind if kind != "activations" else "collectives"
+                counter.add_sent(kind, size)
+                counter.add_received(kind, size)
+                return fn(*args, **kwargs)
+
+            return inner
+
+        for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+                     "all_to_all_single", "reduce", "all_gather", "reduce_scatter"):
+            if hasattr(dist, name):
+                arg = 1 if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                                    "all_gather", "reduce_scatter") else 0
+                setattr(dist, name, wrap_collective(getattr(dist, name), arg))
+
+
+BYTE_COUNTER = ByteCounter()

@@ -1,0 +1,115 @@
+"""Throughput, FLOPs, memory and the Megatron-format log line."""
+
+from __future__ import annotations
+
+import datetime
+import resource
+import sys
+
+import torch
+
+from megatron_weipipe.config import PretrainConfig
+
+
+def model_flops_per_iteration(cfg: PretrainConfig, vocab_size: int) -> float:
+    """Training FLOPs of one iteration: 3 x forward matmul FLOPs, Megatron's convention.
+
+    Forward per token and layer: QKV 2h(h + 2·g·d), attention 2·2·s·h (full square, as
+    Megatron counts it), projection 2h², MLP 2·2·h·f (x1.5 for SwiGLU), plus the logits
+    2·h·V per token. Full recomputation adds one more forward.
+    """
+    m = cfg.model
+    h, s, L = m.hidden_size, m.seq_length, m.num_layers
+    d = m.kv_channels or h // m.num_attention_heads
+    kv = m.query_groups * d
+    ffn = m.ffn_hidden_size or (4 * h)
+    mlp = 2 * 2 * h * ffn * (1.5 if m.swiglu else 1.0)
+    per_token_layer = 2 * h * (h + 2 * kv) + 2 * 2 * s * h + 2 * h * h + mlp
+    tokens = cfg.training.global_batch_size * s
+    forward = tokens * (L * per_token_layer + 2 * h * vocab_size)
+    factor = 4 if m.recompute_granularity == "full" else 3
+    return factor * forward
+
+
+def peak_memory_gb() -> tuple[float, str]:
+    """Peak device memory (CUDA) or peak resident set (CPU), in GB, with its meaning."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 1e9, "max allocated"
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024
+    return rss_kb * scale / 1e9, "peak RSS"
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f}{unit}" if unit != "B" else f"{int(n)}B"
+        n /= 1024
+    return f"{n:.1f}TB"
+
+
+def training_log_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    elapsed_ms: float,
+    tflops_per_device: float,
+    tokens_per_second: float,
+    lr: float,
+    global_batch_size: int,
+    losses: dict[str, float],
+    loss_scale: float,
+    grad_norm,
+    skipped: int,
+    nan_iterations: int,
+    mem_gb: float,
+    bytes_sent: dict[str, int] | None,
+) -> str:
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    parts = [
+        f" [{now}] iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {tflops_per_device:.3f}",
+        f"tokens/s: {tokens_per_second:.1f}",
+        f"learning rate: {lr:.6E}",
+        f"global batch size: {global_batch_size:5d}",
+    ]
+    for k, v in losses.items():
+        parts.append(f"{k}: {v:.6E}")
+    parts.append(f"loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts.append(f"number of skipped iterations: {skipped:3d}")
+    parts.append(f"number of nan iterations: {nan_iterations:3d}")
+    parts.append(f"mem (GB): {mem_gb:.2f}")
+    if bytes_sent:
+        moved = " ".join(f"{k}={format_bytes(v)}" for k, v in sorted(bytes_sent.items()) if v)
+        parts.append(f"sent/rank/iter: {moved or '0B'}")
+    return " | ".join(parts) + " |"
+
+
+class TensorBoardWriter:
+    """Writes scalars when --tensorboard-dir is given and tensorboard is importable."""
+
+    def __init__(self, log_dir: str | None, enabled: bool):
+        self.writer = None
+        if log_dir and enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(log_dir=log_dir)
+            except Exception as e:  # tensorboard not installed
+                print(f"WARNING: --tensorboard-dir given but TensorBoard is unavailable ({e})", flush=True)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

@@ -1,0 +1,55 @@
+"""megatron-core's optimizer (fp32 master weights, clipping) and LR/WD scheduler from our config."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_weipipe.config import PretrainConfig
+
+
+def optimizer_config(cfg: PretrainConfig) -> OptimizerConfig:
+    t = cfg.training
+    return OptimizerConfig(
+        optimizer=t.optimizer,
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        sgd_momentum=t.sgd_momentum,
+        clip_grad=t.clip_grad,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        params_dtype=torch.bfloat16 if t.bf16 else (torch.float16 if t.fp16 else torch.float32),
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        initial_loss_scale=2**16,
+    )
+
+
+def build_optimizer(cfg: PretrainConfig, model_chunks):
+    return get_megatron_optimizer(optimizer_config(cfg), model_chunks, use_gloo_process_groups=False)
+
+
+def build_scheduler(cfg: PretrainConfig, optimizer) -> OptimizerParamScheduler:
+    """Iteration-based schedule expressed in samples, as Megatron-LM does."""
+    t = cfg.training
+    gbs = t.global_batch_size
+    decay_iters = t.lr_decay_iters or t.train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if t.warmup_iters > 0 else t.lr,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_iters * gbs,
+        lr_decay_steps=max(decay_iters, 1) * gbs,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=max(t.train_iters, 1) * gbs,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )

@@ -1,0 +1,343 @@
+"""The training loop: Megatron-LM's ``pretrain()`` on megatron-core pieces, schedule-agnostic."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_weipipe.config import PretrainConfig, padded_vocab_size
+from megatron_weipipe.data.datasets import build_data_loader, build_train_valid_test_datasets
+from megatron_weipipe.data.tokenizers import build_tokenizer
+from megatron_weipipe.initialize import initialize_distributed
+from megatron_weipipe.parallel import ParallelGroups
+from megatron_weipipe.schedules.base import ForwardStep, TrainSchedule
+from megatron_weipipe.schedules.registry import get_schedule
+from megatron_weipipe.training.byte_counter import BYTE_COUNTER
+from megatron_weipipe.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_weipipe.training.metrics import (
+    TensorBoardWriter,
+    model_flops_per_iteration,
+    peak_memory_gb,
+    training_log_line,
+)
+from megatron_weipipe.training.optimizer import build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+class NaNError(RuntimeError):
+    """Loss or gradient norm is NaN/Inf and the run was told not to skip such steps."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    last_saved_iteration: Optional[int] = None
+    losses: list[float] = field(default_factory=list)  # lm loss per iteration (all ranks agree)
+    grad_norms: list[float] = field(default_factory=list)
+    exit_reason: str = "finished"
+
+
+def print_rank_0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class _ExitSignal:
+    """Remembers a SIGTERM so the run can finish its iteration, save and exit cleanly."""
+
+    def __init__(self, enabled: bool):
+        self.received = False
+        self._previous = None
+        if enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def restore(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _reduce_iteration_flags(
+    groups: ParallelGroups, loss_values: list[float], contributes: bool, flags: list[float]
+) -> tuple[float, float, int, list[float]]:
+    """One all-reduce per iteration: loss sum, count, bad-loss count and exit flags."""
+    total = sum(v for v in loss_values if math.isfinite(v)) if contributes else 0.0
+    count = float(len(loss_values)) if contributes else 0.0
+    bad = float(sum(1 for v in loss_values if not math.isfinite(v))) if contributes else 0.0
+    vec = torch.tensor([total, count, bad, *flags], dtype=torch.float64)
+    dist.all_reduce(vec)
+    return vec[0].item(), vec[1].item(), int(vec[2].item()), vec[3:].tolist()
+
+
+def _first_bad_microbatch(loss_values: list[float], contributes: bool) -> tuple[int, int]:
+    """(global rank, microbatch) of the first NaN/Inf loss anywhere."""
+    code = 1 << 60
+    if contributes:
+        for i, v in enumerate(loss_values):
+            if not math.isfinite(v):
+                code = dist.get_rank() * 1_000_000 + i
+                break
+    t = torch.tensor([code], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item()) // 1_000_000, int(t.item()) % 1_000_000
+
+
+def _optimizer_step(optimizer, clip_grad: float):
+    """megatron-core's ChainedOptimizer.step, split so a NaN/Inf norm can veto the update."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()
+    if found_inf:  # fp16 loss-scale overflow: megatron-core's own skip
+        return False, None
+    grad_norm = optimizer.get_grad_norm()
+    if grad_norm is None or not math.isfinite(grad_norm):
+        return False, float("nan")
+    if clip_grad > 0:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = opt.get_parameters()
+            if params and not getattr(opt, "is_stub_optimizer", False):
+                clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
+    return optimizer.step_with_ready_grads(), grad_norm
+
+
+def _microbatches(iterator, n: int) -> list[dict]:
+    return [next(iterator) for _ in range(n)]
+
+
+def _loss_values(result) -> list[float]:
+    return [float(d["lm loss"]) for d in result.losses]
+
+
+def evaluate(
+    cfg: PretrainConfig,
+    groups: ParallelGroups,
+    schedule: TrainSchedule,
+    forward_step: ForwardStep,
+    valid_iter,
+    n_microbatches: int,
+) -> Optional[float]:
+    for chunk in schedule.model_chunks:
+        chunk.eval()
+    values, contributes = [], False
+    with torch.no_grad():
+        for _ in range(cfg.training.eval_iters):
+            result = schedule.forward_backward(forward_step, _microbatches(valid_iter, n_microbatches), forward_only=True)
+            contributes = result.has_loss and groups.tp_rank == 0 and groups.cp_rank == 0
+            values += _loss_values(result)
+    for chunk in schedule.model_chunks:
+        chunk.train()
+    total, count, _, _ = _reduce_iteration_flags(groups, values, contributes, [])
+    return total / count if count else None
+
+
+def pretrain(
+    cfg: PretrainConfig,
+    model_provider: Callable[..., torch.nn.Module],
+    forward_step: ForwardStep,
+    datasets_provider: Callable = build_train_valid_test_datasets,
+) -> TrainState:
+    """Train ``cfg.training.train_iters`` iterations; returns the final state (losses per iteration).
+
+    ``model_provider(cfg, vocab_size, pre_process, post_process, vp_stage=None)`` builds one
+    stage; ``forward_step(data_iterator, model)`` is Megatron-LM's forward step.
+    """
+    start_time = time.time()
+    groups = initialize_distributed(cfg)
+    t = cfg.training
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
+    vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
+    schedule: TrainSchedule = get_schedule(cfg.schedule_name)(cfg, groups)
+    print_rank_0(
+        f"> schedule {cfg.schedule_name}: TP={groups.tp_size} PP={groups.pp_size} CP={groups.cp_size} "
+        f"DP={groups.dp_size}, {cfg.num_microbatches} microbatches per replica, padded vocab {vocab}"
+    )
+    model_chunks = schedule.build_model(partial(model_provider, cfg, vocab))
+    n_params = sum(p.numel() for m in model_chunks for p in m.parameters())
+    print_rank_0(f"> parameters on rank 0: {n_params}")
+    optimizer = build_optimizer(cfg, model_chunks)
+    scheduler = build_scheduler(cfg, optimizer)
+
+    state = TrainState()
+    loaded = load_checkpoint(cfg, groups, model_chunks, optimizer, scheduler)
+    state.iteration = loaded.iteration
+    state.consumed_train_samples = loaded.consumed_train_samples
+    state.consumed_valid_samples = loaded.consumed_valid_samples
+    state.skipped_iterations = loaded.num_skipped_iterations
+    if cfg.checkpoint.load and loaded.iteration:
+        print_rank_0(f"> loaded checkpoint from {cfg.checkpoint.load} at iteration {loaded.iteration}")
+        state.last_saved_iteration = loaded.iteration
+
+    gbs = t.global_batch_size
+    eval_runs = t.train_iters // t.eval_interval + 1
+    num_samples = [t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
+    train_ds, valid_ds, _ = datasets_provider(cfg.data, tokenizer, num_samples)
+    data_rank, data_size, n_mb = schedule.data_shard()
+    train_iter = iter(
+        build_data_loader(
+            train_ds, t.micro_batch_size, state.consumed_train_samples, data_rank, data_size, cfg.data.num_workers
+        )
+    )
+    valid_iter = None
+    if valid_ds is not None and t.eval_iters > 0:
+        valid_iter = iter(
+            build_data_loader(
+                valid_ds, t.micro_batch_size, state.consumed_valid_samples, data_rank, data_size, 0
+            )
+        )
+
+    flops = model_flops_per_iteration(cfg, vocab)
+    tb = TensorBoardWriter(cfg.logging.tensorboard_dir, dist.get_rank() == dist.get_world_size() - 1)
+    exit_signal = _ExitSignal(t.exit_signal_handler)
+    print_rank_0(f"> setup done in {time.time() - start_time:.1f}s; training from iteration {state.iteration}")
+
+    window_start, window_iters = time.time(), 0
+    last_grad_norm = None
+    try:
+        while state.iteration < t.train_iters and not t.skip_train:
+            microbatches = _microbatches(train_iter, n_mb)
+            BYTE_COUNTER.reset()
+            schedule.zero_grad()
+            optimizer.zero_grad()
+            result = schedule.forward_backward(forward_step, microbatches)
+            values = _loss_values(result)
+            contributes = result.has_loss and groups.tp_rank == 0 and groups.cp_rank == 0
+            timed_out = (
+                t.exit_duration_in_mins is not None and (time.time() - start_time) / 60.0 > t.exit_duration_in_mins
+            )
+            total, count, bad, (sig, dur) = _reduce_iteration_flags(
+                groups, values, contributes, [float(exit_signal.received), float(timed_out and dist.get_rank() == 0)]
+            )
+            stepped, grad_norm = False, None
+            if bad:
+                rank, mb = _first_bad_microbatch(values, contributes)
+                msg = (
+                    f"NaN/Inf lm loss at iteration {state.iteration + 1} on rank {rank}, "
+                    f"microbatch {mb} of that rank"
+                )
+                if not t.check_for_nan_in_loss_and_grad:
+                    pass
+                elif t.skip_nan_steps:
+                    print_rank_0(f"WARNING: {msg}: step skipped")
+                else:
+                    raise NaNError(msg)
+            if not bad or not t.check_for_nan_in_loss_and_grad:
+                stepped, grad_norm = _optimizer_step(optimizer, t.clip_grad)
+                if grad_norm is not None and not math.isfinite(grad_norm) and t.check_for_nan_in_loss_and_grad:
+                    msg = f"NaN/Inf gradient norm at iteration {state.iteration + 1}"
+                    if not t.skip_nan_steps:
+                        raise NaNError(msg)
+                    print_rank_0(f"WARNING: {msg}: step skipped")
+            if stepped:
+                scheduler.step(increment=gbs)
+                last_grad_norm = grad_norm
+            else:
+                state.skipped_iterations += 1
+                if bad or (grad_norm is not None and not math.isfinite(grad_norm)):
+                    state.nan_iterations += 1
+            state.iteration += 1
+            state.consumed_train_samples += gbs
+            loss = total / count if count else float("nan")
+            state.losses.append(loss)
+            state.grad_norms.append(grad_norm if grad_norm is not None else float("nan"))
+            window_iters += 1
+
+            if state.iteration % cfg.logging.log_interval == 0:
+                elapsed = time.time() - window_start
+                per_iter = elapsed / window_iters
+                mem, _ = peak_memory_gb()
+                lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else t.lr
+                line = training_log_line(
+                    iteration=state.iteration,
+                    train_iters=t.train_iters,
+                    consumed_samples=state.consumed_train_samples,
+                    elapsed_ms=per_iter * 1000,
+                    tflops_per_device=flops / per_iter / 1e12 / cfg.world_size,
+                    tokens_per_second=gbs * cfg.model.seq_length / per_iter,
+                    lr=lr,
+                    global_batch_size=gbs,
+                    losses={"lm loss": loss},
+                    loss_scale=float(optimizer.get_loss_scale().item()),
+                    grad_norm=last_grad_norm,
+                    skipped=state.skipped_iterations,
+                    nan_iterations=state.nan_iterations,
+                    mem_gb=mem,
+                    bytes_sent=BYTE_COUNTER.snapshot()["sent"],
+                )
+                print_rank_0(line)
+                tb.scalars(state.iteration, {"lm-loss": loss, "learning-rate": lr, "grad-norm": last_grad_norm or 0.0})
+                window_start, window_iters = time.time(), 0
+
+            if valid_iter is not None and state.iteration % t.eval_interval == 0:
+                _run_validation(cfg, groups, schedule, forward_step, valid_iter, n_mb, state, tb)
+
+            exit_now = None
+            if sig:
+                exit_now = "signal"
+            elif dur:
+                exit_now = "duration"
+            elif t.exit_interval and state.iteration % t.exit_interval == 0:
+                exit_now = "interval"
+            save_now = cfg.checkpoint.save and (
+                exit_now
+                or (cfg.checkpoint.save_interval and state.iteration % cfg.checkpoint.save_interval == 0)
+            )
+            if save_now:
+                _save(cfg, groups, state, model_chunks, optimizer, scheduler)
+            if exit_now:
+                state.exit_reason = exit_now
+                print_rank_0(f"> exiting at iteration {state.iteration} ({exit_now})")
+                break
+
+        if cfg.checkpoint.save and state.iteration > 0 and state.last_saved_iteration != state.iteration:
+            _save(cfg, groups, state, model_chunks, optimizer, scheduler)
+    finally:
+        exit_signal.restore()
+        tb.close()
+    return state
+
+
+def _run_validation(cfg, groups, schedule, forward_step, valid_iter, n_mb, state, tb) -> None:
+    value = evaluate(cfg, groups, schedule, forward_step, valid_iter, n_mb)
+    state.consumed_valid_samples += cfg.training.eval_iters * cfg.training.global_batch_size
+    if value is None:
+        return
+    ppl = math.exp(min(20.0, value))
+    bar = "-" * 100
+    print_rank_0(
+        f"{bar}\n validation loss at iteration {state.iteration} | lm loss value: {value:.6E} | "
+        f"lm loss PPL: {ppl:.6E} | \n{bar}"
+    )
+    tb.scalars(state.iteration, {"lm-loss-validation": value})
+
+
+def _save(cfg, groups, state: TrainState, model_chunks, optimizer, scheduler) -> None:
+    t0 = time.time()
+    path = save_checkpoint(
+        cfg,
+        groups,
+        state.iteration,
+        model_chunks,
+        optimizer,
+        scheduler,
+        consumed_train_samples=state.consumed_train_samples,
+        consumed_valid_samples=state.consumed_valid_samples,
+        num_skipped_iterations=state.skipped_iterations,
+    )
+    state.last_saved_iteration = state.iteration
+    print_rank_0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {path} "
+                 f"[ t {time.time() - t0:.2f}s ]")
