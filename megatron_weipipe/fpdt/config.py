@@ -1,0 +1,166 @@
+"""Typed configuration for the FPDT / Ulysses building blocks.
+
+Every rule that can be checked before a process group is touched is checked here, so a
+bad combination fails at start-up with one sentence instead of hanging a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+KERNELS = ("auto", "math", "cpu_flash", "cuda_flash")
+CAUSAL_NAMES = ("causal", "AttnMaskType.causal")
+
+
+@dataclass(frozen=True)
+class RotaryConfig:
+    """Megatron's rotary convention (RotaryEmbedding + _apply_rotary_pos_emb_bshd).
+
+    ``percent`` < 1 rotates only the first ``int(head_dim * percent)`` channels;
+    ``seq_len_interpolation_factor`` divides positions; ``rope_scaling`` is the Llama-3.1
+    frequency rescaling that Megatron applies with ``--use-rope-scaling``.
+    """
+
+    base: float = 10000.0
+    percent: float = 1.0
+    interleaved: bool = False
+    seq_len_interpolation_factor: float | None = None
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+
+    def validate(self, head_dim: int) -> None:
+        if not 0.0 < self.percent <= 1.0:
+            raise ValueError(f"rotary percent must be in (0, 1], got {self.percent}")
+        rot = int(head_dim * self.percent)
+        if rot < 2 or rot % 2:
+            raise ValueError(
+                f"rotary dimension int(head_dim*percent)={rot} must be even and >= 2 (head_dim={head_dim})"
+            )
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Shape of one self-attention layer, in Megatron's terms (per tensor-parallel rank).
+
+    ``num_heads`` / ``num_query_groups`` are the counts held by this tensor-parallel rank
+    (Megatron's ``*_per_partition``); ``hidden_size`` is the full model width (the input
+    width of linear_qkv). ``rotary`` None means no rotary embedding.
+    """
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    num_query_groups: int | None = None
+    rotary: RotaryConfig | None = field(default_factory=RotaryConfig)
+    softmax_scale: float | None = None
+    attn_mask_type: str = "causal"
+    attention_dropout: float = 0.0
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.groups
+
+    @property
+    def qkv_size(self) -> int:
+        """Output width of linear_qkv: per group, [q heads of the group, k, v] x head_dim."""
+        return self.groups * (self.heads_per_group + 2) * self.head_dim
+
+    @property
+    def proj_input_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def validate(self, cp_size: int = 1) -> None:
+        mask = str(self.attn_mask_type)
+        if mask not in CAUSAL_NAMES:
+            raise ValueError(f"attn_mask_type={mask!r} is not supported: FPDT/Ulysses attention is causal only")
+        if self.attention_dropout:
+            raise ValueError(f"attention_dropout={self.attention_dropout} is not supported: set it to 0")
+        if self.num_heads % self.groups:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_query_groups={self.groups}"
+            )
+        if self.num_heads % cp_size:
+            raise ValueError(
+                f"num_heads={self.num_heads} (per TP rank) must be divisible by the context-parallel size {cp_size}"
+            )
+        if self.groups % cp_size:
+            raise ValueError(
+                f"num_query_groups={self.groups} (KV heads per TP rank) must be divisible by the "
+                f"context-parallel size {cp_size}; Ulysses has no KV-head replication fallback here"
+            )
+        if self.rotary is not None:
+            self.rotary.validate(self.head_dim)
+
+
+@dataclass(frozen=True)
+class FPDTConfig:
+    """How the sequence is chunked and where chunk state lives.
+
+    chunk_size: C, in GLOBAL tokens after the all-to-all (DeepSpeed's
+        ``--ds-sequence-parallel-fpdt-chunk-size``). None or >= seq_len means one chunk,
+        which is plain Ulysses with no extra work.
+    offload: keep per-chunk q/k/v/o/lse/layer-input in host memory (pinned on CUDA),
+        double-buffered back to the device.
+    kernel: block attention kernel, see fpdt.kernels ("auto" picks by device and dtype).
+    overlap_comm: launch the next chunk's all-to-all before computing on the current one.
+    mlp_chunks / loss_chunks: number of sequence chunks for the MLP and the output
+        layer + cross-entropy (None: same count as attention).
+    """
+
+    chunk_size: int | None = None
+    offload: bool = False
+    kernel: str = "auto"
+    overlap_comm: bool = True
+    mlp_chunks: int | None = None
+    loss_chunks: int | None = None
+
+    def num_chunks(self, seq_len: int) -> int:
+        """u = S / C for a GLOBAL sequence length S."""
+        if self.chunk_size is None:
+            return 1
+        return max(1, seq_len // self.chunk_size)
+
+    def validate(self, seq_len: int, cp_size: int = 1) -> int:
+        """Check the layout for a global sequence length; return the chunk count u."""
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r} is not one of {KERNELS}")
+        if self.chunk_size is not None:
+            if self.chunk_size <= 0:
+                raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+            if self.chunk_size > seq_len:
+                raise ValueError(
+                    f"chunk_size={self.chunk_size} is larger than the sequence length {seq_len}"
+                )
+            if seq_len % self.chunk_size:
+                raise ValueError(
+                    f"sequence length {seq_len} is not a multiple of chunk_size={self.chunk_size}"
+                )
+        u = self.num_chunks(seq_len)
+        check_layout(seq_len, cp_size, u)
+        for name in ("mlp_chunks", "loss_chunks"):
+            n = getattr(self, name)
+            if n is not None and (n <= 0 or (seq_len // cp_size) % n):
+                raise ValueError(
+                    f"{name}={n} must divide the local sequence length {seq_len // cp_size}"
+                )
+        return u
+
+
+def check_layout(seq_len: int, cp_size: int, num_chunks: int) -> None:
+    """The FPDT layout needs S divisible by u*P (u chunks of C = S/u tokens, P pieces each)."""
+    if cp_size <= 0 or num_chunks <= 0:
+        raise ValueError(f"cp_size={cp_size} and num_chunks={num_chunks} must be positive")
+    if seq_len % (num_chunks * cp_size):
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by chunks x context-parallel size "
+            f"= {num_chunks} x {cp_size}"
+        )

@@ -1,0 +1,59 @@
+"""Single-process, unsharded, unchunked references for tests.
+
+The attention reference shares no code with the FPDT path: it splits the fused QKV the
+way megatron.core's SelfAttention does, applies megatron.core's own rotary functions, and
+runs torch's scaled_dot_product_attention on the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_weipipe.fpdt.config import AttentionSpec
+
+
+def megatron_rotary_emb(spec: AttentionSpec, seq_len: int) -> torch.Tensor:
+    """Megatron's rotary angle table [S, 1, 1, rot_dim] (built on CPU)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    r = spec.rotary
+    rope = RotaryEmbedding(
+        kv_channels=spec.head_dim,
+        rotary_percent=r.percent,
+        rotary_interleaved=r.interleaved,
+        seq_len_interpolation_factor=r.seq_len_interpolation_factor,
+        rotary_base=r.base,
+        rope_scaling=r.rope_scaling,
+        rope_scaling_factor=r.rope_scaling_factor,
+        use_cpu_initialization=True,
+    )
+    freqs = rope.get_freqs_non_repeated(seq_len)  # get_emb itself moves inv_freq to CUDA
+    if r.interleaved:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
+
+
+def reference_attention(x, w_qkv, b_qkv, w_proj, b_proj, spec: AttentionSpec) -> torch.Tensor:
+    """Causal self-attention of the full sequence x [S, b, hidden] (autograd-able)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    S, b, _ = x.shape
+    ng, g, d = spec.groups, spec.heads_per_group, spec.head_dim
+    mixed = F.linear(x, w_qkv, b_qkv).view(S, b, ng, (g + 2) * d)
+    q, k, v = torch.split(mixed, [g * d, d, d], dim=3)
+    q = q.reshape(S, b, ng * g, d)
+    if spec.rotary is not None:
+        emb = megatron_rotary_emb(spec, S).to(x.device)
+        q = _apply_rotary_pos_emb_bshd(q, emb, rotary_interleaved=spec.rotary.interleaved)
+        k = _apply_rotary_pos_emb_bshd(k, emb, rotary_interleaved=spec.rotary.interleaved)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=True)
+    o = o.permute(2, 0, 1, 3).reshape(S, b, -1)
+    return F.linear(o, w_proj, b_proj)
