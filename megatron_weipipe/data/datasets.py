@@ -263,7 +263,7 @@ def build_train_valid_test_datasets(
         raise ValueError(f"train_valid_test_num_samples must be non-negative integers, got {sizes}.")
     if not cfg.mock_data:
         _, weights = parse_blend(cfg.data_path or [])
-        if weights is not None and len(weights) > 1 and any(s is None for s in sizes):
+        if weights is not None and any(s is None for s in sizes):
             raise ValueError("a weighted data_path blend needs a sample count for every split.")
     if tokenizer.vocab_size <= tokenizer.eod:
         raise ValueError(f"tokenizer eod id {tokenizer.eod} is not below its vocab_size {tokenizer.vocab_size}.")
