@@ -138,7 +138,7 @@ def validate(schedule: Schedule, *, check_direction: bool = True) -> None:
     _check_tags(schedule)
     _check_ticks(schedule)
     if schedule.family != "weipipe":
-        walk(schedule, lambda a, m: None)
+        _validate_activation_pipeline(schedule)
         return
     P, G = schedule.num_ranks, schedule.microbatches
     states = [_RankState(schedule, r) for r in range(P)]
@@ -273,3 +273,29 @@ def validate(schedule: Schedule, *, check_direction: bool = True) -> None:
         live = {str(b): str(c) for b, c in st.buffers.items() if c is not None}
         if live:
             raise ScheduleError(f"rank {st.rank} ends with live buffers {live}")
+
+
+def _validate_activation_pipeline(schedule: Schedule) -> None:
+    """Megatron timelines: each stage's input (activation or its gradient) arrives from
+    the neighbouring stage for the same microbatch before the compute that needs it."""
+    S = schedule.num_chunks
+    have: list[set] = [set() for _ in range(schedule.num_ranks)]
+
+    def visit(a: Action, matched: Optional[Action]) -> None:
+        got = have[a.rank]
+        if a.kind is Kind.RECV:
+            step = 1 if a.flow is Flow.ACTIVATIONS else -1
+            if matched.flow is not a.flow or matched.mb != a.mb or matched.chunk + step != a.chunk:
+                raise ScheduleError(f"{a}: paired with {matched}")
+            got.add((a.flow, a.mb, a.chunk))
+        elif a.kind is Kind.FORWARD:
+            if a.chunk > 0 and (Flow.ACTIVATIONS, a.mb, a.chunk) not in got and ("F", a.mb, a.chunk - 1) not in got:
+                raise ScheduleError(f"{a}: its input activation has not arrived")
+            got.add(("F", a.mb, a.chunk))
+        elif a.kind is Kind.BACKWARD:
+            if ("F", a.mb, a.chunk) not in got:
+                raise ScheduleError(f"{a}: backward before its forward")
+            if a.chunk < S - 1 and (Flow.ACTIVATION_GRADS, a.mb, a.chunk) not in got:
+                raise ScheduleError(f"{a}: its output gradient has not arrived")
+
+    walk(schedule, visit)
