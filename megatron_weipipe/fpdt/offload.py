@@ -31,9 +31,15 @@ class OffloadStats:
     """Counts for tests and benchmarks."""
 
     max_resident: dict = field(default_factory=dict)  # stream -> most chunks resident at once
+    device_bytes: int = 0  # bytes of chunk state the store holds on the device now
+    peak_device_bytes: int = 0  # ... and at most (all saved state when offload is off)
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     fetches: int = 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class HostBufferPool:
@@ -92,6 +98,7 @@ class ChunkStore:
         may be freed by the caller right after; its copy completes on the side stream."""
         held = self._held[(stream, idx)]
         if not self.offload:
+            self._count(sum(_nbytes(t) for t in tensors.values()) - sum(_nbytes(held[n]) for n in tensors if n in held))
             held.update(tensors)
             return
         if self._side is not None:
@@ -114,6 +121,7 @@ class ChunkStore:
         dev = self._dev.get((stream, idx))
         if dev is not None:
             for name, t in tensors.items():
+                self._count(_nbytes(t) - (_nbytes(dev[name]) if name in dev else 0))
                 dev[name] = t
 
     def has(self, stream: str, idx: int, name: str) -> bool:
@@ -134,8 +142,9 @@ class ChunkStore:
             self._events[(stream, idx)] = ev
         else:
             dev = {n: b.clone() for n, b in held.items()}
-        self.stats.h2d_bytes += sum(b.numel() * b.element_size() for b in held.values())
+        self.stats.h2d_bytes += sum(_nbytes(b) for b in held.values())
         self.stats.fetches += 1
+        self._count(sum(_nbytes(t) for t in dev.values()))
         self._dev[(stream, idx)] = dev
 
     def get(self, stream: str, idx: int) -> dict:
@@ -155,7 +164,9 @@ class ChunkStore:
         """Drop the device copy of chunk ``idx`` (host copy stays)."""
         if not self.offload:
             return
-        self._dev.pop((stream, idx), None)
+        dev = self._dev.pop((stream, idx), None)
+        if dev is not None:
+            self._count(-sum(_nbytes(t) for t in dev.values()))
         self._events.pop((stream, idx), None)
         self._resident[stream].discard(idx)
 
@@ -165,6 +176,8 @@ class ChunkStore:
         for buf in self._held.pop((stream, idx), {}).values():
             if self.offload:
                 self.pool.give(buf)
+            else:
+                self._count(-_nbytes(buf))
 
     def close(self) -> None:
         """End of the backward: return every host buffer to the pool for the next call."""
@@ -172,6 +185,10 @@ class ChunkStore:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
         for stream, idx in list(self._held):
             self.drop(stream, idx)
+
+    def _count(self, delta: int) -> None:
+        self.stats.device_bytes += delta
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.stats.device_bytes)
 
     def resident(self, stream: str) -> int:
         return len(self._resident[stream])
