@@ -1,0 +1,396 @@
+"""Execute one rank's WeiPipe action list with real tensors and point-to-point messages.
+
+The runtime is generic over the model. The caller supplies:
+  - `chunk_template`: a module with the structure every decoder chunk shares; it is only
+    ever called through torch.func.functional_call with views into a flat weight buffer;
+  - the flat fp32 master of the chunk this ring rank owns (chunk index = ring rank);
+  - `pre_fn(mb) -> hidden` and `post_fn(hidden, mb) -> loss`, replicated on every ring
+    rank; their own parameters get ordinary `.grad`s, which the caller all-reduces over
+    the ring after the iteration.
+After `run_iteration` the owner's summed fp32 gradient of its chunk (all G*P
+microbatches of the ring) is returned flat; the caller reduces it over data-parallel
+replicas and steps its optimizer. Losses are backpropagated as returned by post_fn
+(scale them there, e.g. by 1/num_microbatches, if a mean is wanted).
+
+Communication follows the list literally: a RECV's irecv is posted `lookahead` ticks
+ahead into a fresh tensor (the double buffer: the next hop lands while this tick
+computes) and waited at the RECV; a SEND is an isend posted where it stands. Every flow
+has its own tag, so two flows to the one neighbour of a ring of 2 never cross.
+
+Backward weights are real: without recomputation the forward graph does not keep the
+forward-weight buffer; the weights it saved are swapped at unpack time for views of the
+backward-weight buffer the schedule names, and the weight gradient flows into a
+storage-free anchor. With recomputation the forward runs without a graph and the
+backward recomputes it from the backward-weight buffer. So a schedule that routes the
+wrong chunk into a backward gives wrong gradients, which the parity tests would see.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from .actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
+from .flat import FlatLayout
+
+
+@dataclass
+class ByteCounter:
+    """Bytes and messages per flow, sent and received by this rank in one iteration."""
+
+    sent: dict = field(default_factory=lambda: defaultdict(int))
+    received: dict = field(default_factory=lambda: defaultdict(int))
+    messages_sent: dict = field(default_factory=lambda: defaultdict(int))
+    messages_received: dict = field(default_factory=lambda: defaultdict(int))
+
+    def count(self, flow: Flow, nbytes: int, *, sent: bool) -> None:
+        if sent:
+            self.sent[flow.value] += nbytes
+            self.messages_sent[flow.value] += 1
+        else:
+            self.received[flow.value] += nbytes
+            self.messages_received[flow.value] += 1
+
+    @property
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    @property
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+    def as_dict(self) -> dict:
+        return {"sent": dict(self.sent), "received": dict(self.received),
+                "messages_sent": dict(self.messages_sent), "messages_received": dict(self.messages_received)}
+
+    def summary(self) -> str:
+        parts = [f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(self.sent.items())]
+        return f"sent {self.total_sent / 2**20:.2f} MiB ({', '.join(parts)}); received {self.total_received / 2**20:.2f} MiB"
+
+
+@dataclass
+class IterationResult:
+    losses: list  # per local microbatch, detached, in microbatch order
+    main_grad: torch.Tensor  # flat fp32 summed gradient of the owned chunk
+    bytes: ByteCounter
+
+
+class _Port(torch.autograd.Function):
+    """Hands the forward the weight buffer's values while routing the weight gradient to
+    `anchor`, a (numel,)-shaped tensor without storage of its own; the graph then holds
+    no reference to the forward-weight buffer."""
+
+    @staticmethod
+    def forward(ctx, anchor, flat):
+        return flat.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _WeightSwap:
+    """Saved-tensor hooks: weight views saved in the forward are recorded by position
+    and re-materialised from whatever backward-weight buffer `flat` names at unpack."""
+
+    def __init__(self, storage_ptr: int):
+        self.ptr = storage_ptr
+        self.flat: Optional[torch.Tensor] = None
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == self.ptr:
+            return (t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        return t
+
+    def unpack(self, packed):
+        if isinstance(packed, tuple):
+            if self.flat is None:
+                raise RuntimeError("weipipe: backward ran without a backward-weight buffer")
+            offset, size, stride = packed
+            return self.flat.as_strided(size, stride, offset)
+        return packed
+
+
+@dataclass
+class _Saved:
+    """What a chunk forward leaves for its backward."""
+
+    x: torch.Tensor  # chunk input (detached leaf)
+    pre_out: Optional[torch.Tensor] = None  # chunk 0: pre_fn output, still attached to its graph
+    y: Optional[torch.Tensor] = None  # output with graph (no recompute, or after a split backward)
+    swap: Optional[_WeightSwap] = None
+    anchor: Optional[torch.Tensor] = None  # where the weight gradient lands
+    bwd_flat: Optional[torch.Tensor] = None  # kept alive between the input and weight passes
+    dy: Optional[torch.Tensor] = None
+
+
+class WeiPipeRuntime:
+    """Runs one ring rank's list of a WeiPipe schedule.
+
+    `ring_group` is the torch.distributed group of the P ring ranks (in Megatron's
+    layout, the pipeline-model-parallel group); its group rank r is ring rank r and owns
+    chunk r. Peers are addressed by their global rank, looked up through the group.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        *,
+        ring_group: Optional[dist.ProcessGroup],
+        chunk_template: nn.Module,
+        compute_dtype: torch.dtype = torch.float32,
+        grad_dtype: torch.dtype = torch.float32,
+        recompute: bool = False,
+        lookahead: int = 1,
+    ):
+        if schedule.family != "weipipe":
+            raise ScheduleError(f"{schedule.name} is not a WeiPipe schedule")
+        size = dist.get_world_size(ring_group)
+        if size != schedule.num_ranks:
+            raise ScheduleError(
+                f"schedule {schedule.name} is for a ring of {schedule.num_ranks} ranks, the ring group has {size}"
+            )
+        self.schedule = schedule
+        self.group = ring_group
+        self.ring_rank = dist.get_rank(ring_group)
+        self.global_rank = [dist.get_global_rank(ring_group, r) if ring_group is not None else r
+                            for r in range(size)]
+        self.template = chunk_template
+        self.layout = FlatLayout.from_module(chunk_template)
+        self.compute_dtype = compute_dtype
+        self.grad_dtype = grad_dtype
+        self.recompute = recompute
+        self.lookahead = lookahead
+        self.actions = schedule.actions(self.ring_rank)
+
+    # ------------------------------------------------------------------ public
+
+    def run_iteration(
+        self,
+        master: torch.Tensor,
+        microbatches: Sequence[Any],
+        pre_fn: Callable[[Any], torch.Tensor],
+        post_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        *,
+        main_grad: Optional[torch.Tensor] = None,
+        grad_ready: Optional[Callable[[int, torch.Tensor], None]] = None,
+    ) -> IterationResult:
+        """One iteration: the rank's G microbatches through all chunks, gradients home.
+
+        `master` is the owned chunk's flat fp32 weights (read at LOAD, never written).
+        `main_grad` (flat fp32, zeroed by the caller) receives the owner's gradient; one
+        is allocated if None. `grad_ready(chunk, main_grad)` is called at the schedule's
+        OPTIMIZER_STEP, the moment the gradient is complete (e.g. to start a
+        data-parallel all-reduce early); the runtime itself never steps.
+        """
+        if len(microbatches) != self.schedule.microbatches:
+            raise ValueError(
+                f"schedule {self.schedule.name} runs {self.schedule.microbatches} microbatches per rank, "
+                f"got {len(microbatches)}"
+            )
+        if master.numel() != self.layout.numel:
+            raise ValueError(f"master has {master.numel()} elements, the chunk layout has {self.layout.numel}")
+        device = master.device
+        if main_grad is None:
+            main_grad = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        state = _IterationState(self, master, microbatches, pre_fn, post_fn, main_grad, grad_ready, device)
+        state.run()
+        return IterationResult(losses=[state.losses[m] for m in range(len(microbatches))],
+                               main_grad=main_grad, bytes=state.bytes)
+
+
+class _IterationState:
+    """Buffers, saved activations and in-flight messages of one iteration."""
+
+    def __init__(self, rt: WeiPipeRuntime, master, microbatches, pre_fn, post_fn, main_grad, grad_ready, device):
+        self.rt = rt
+        self.P = rt.schedule.num_ranks
+        self.master = master
+        self.mbs = microbatches
+        self.pre_fn = pre_fn
+        self.post_fn = post_fn
+        self.main_grad = main_grad
+        self.grad_ready = grad_ready
+        self.device = device
+        self.buffers: dict[Buffer, tuple[int, torch.Tensor]] = {}  # buffer -> (chunk, tensor)
+        self.saved: dict[tuple[int, int], _Saved] = {}
+        self.next_input: dict[tuple[int, int], torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.bytes = ByteCounter()
+        self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.sends: list = []
+        self.recv_order = [i for i, a in enumerate(rt.actions) if a.kind is Kind.RECV]
+        self.recv_cursor = 0
+
+    # -------------------------------------------------------------- driver
+
+    def run(self) -> None:
+        tick = None
+        try:
+            for i, a in enumerate(self.rt.actions):
+                if a.tick != tick:
+                    tick = a.tick
+                    self._reap_sends()
+                    self._post_recvs(upto_tick=tick + self.rt.lookahead)
+                getattr(self, "_" + a.kind.value)(i, a)
+        finally:
+            for work, _ in self.sends:
+                work.wait()
+            self.sends.clear()
+        leftover = {str(b): c for b, (c, _) in self.buffers.items()}
+        if leftover or self.posted:
+            raise ScheduleError(f"rank {self.rt.ring_rank} ends with live buffers {leftover} or unreceived messages")
+
+    # -------------------------------------------------------------- comm
+
+    def _message_dtype(self, a: Action) -> torch.dtype:
+        return self.rt.grad_dtype if a.flow is Flow.GRADS else self.rt.compute_dtype
+
+    def _post_recvs(self, upto_tick: int) -> None:
+        acts = self.rt.actions
+        while self.recv_cursor < len(self.recv_order):
+            i = self.recv_order[self.recv_cursor]
+            if acts[i].tick > upto_tick:
+                break
+            self._post(i, acts[i])
+            self.recv_cursor += 1
+
+    def _post(self, i: int, a: Action) -> None:
+        t = torch.empty(self.rt.layout.numel, dtype=self._message_dtype(a), device=self.device)
+        work = dist.irecv(t, src=self.rt.global_rank[a.peer], group=self.rt.group, tag=a.tag)
+        self.posted[i] = (work, t)
+
+    def _reap_sends(self) -> None:
+        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+
+    def _recv(self, i: int, a: Action) -> None:
+        if i not in self.posted:  # lookahead 0 or a list with RECVs ahead of their tick
+            while self.recv_order[self.recv_cursor] != i:
+                self._post(self.recv_order[self.recv_cursor], self.rt.actions[self.recv_order[self.recv_cursor]])
+                self.recv_cursor += 1
+            self._post(i, a)
+            self.recv_cursor += 1
+        work, t = self.posted.pop(i)
+        work.wait()
+        self.bytes.count(a.flow, t.numel() * t.element_size(), sent=False)
+        self._put(a, t)
+
+    def _send(self, i: int, a: Action) -> None:
+        chunk, t = self.buffers.pop(a.buffer)
+        if chunk != a.chunk:
+            raise ScheduleError(f"{a}: buffer holds chunk {chunk}")
+        work = dist.isend(t, dst=self.rt.global_rank[a.peer], group=self.rt.group, tag=a.tag)
+        self.sends.append((work, t))
+        self.bytes.count(a.flow, t.numel() * t.element_size(), sent=True)
+
+    # -------------------------------------------------------------- buffers
+
+    def _put(self, a: Action, t: torch.Tensor) -> None:
+        if a.buffer in self.buffers:
+            raise ScheduleError(f"{a}: buffer {a.buffer} is still live")
+        self.buffers[a.buffer] = (a.chunk, t)
+
+    def _get(self, a: Action, buf: Buffer) -> torch.Tensor:
+        chunk, t = self.buffers[buf]
+        if chunk != a.chunk:
+            raise ScheduleError(f"{a}: buffer {buf} holds chunk {chunk}")
+        return t
+
+    def _load(self, i: int, a: Action) -> None:
+        self._put(a, self.master.detach().to(self.rt.compute_dtype, copy=True).reshape(-1))
+
+    def _drop(self, i: int, a: Action) -> None:
+        self.buffers.pop(a.buffer)
+
+    def _grad_init(self, i: int, a: Action) -> None:
+        self._put(a, torch.zeros(self.rt.layout.numel, dtype=self.rt.grad_dtype, device=self.device))
+
+    def _accumulate_grad(self, i: int, a: Action) -> None:
+        self.main_grad.add_(self._get(a, a.buffer).to(self.main_grad.dtype))
+        self.buffers.pop(a.buffer)
+
+    def _optimizer_step(self, i: int, a: Action) -> None:
+        if self.grad_ready is not None:
+            self.grad_ready(a.chunk, self.main_grad)
+
+    # -------------------------------------------------------------- compute
+
+    def _call(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.rt.template, self.rt.layout.views(flat), (x,))
+
+    def _forward(self, i: int, a: Action) -> None:
+        flat = self._get(a, a.buffer)
+        pre_out = None
+        if a.chunk == 0:
+            pre_out = self.pre_fn(self.mbs[a.mb])
+            x = pre_out.detach().to(self.rt.compute_dtype)
+        else:
+            x = self.next_input.pop((a.mb, a.chunk))
+        x.requires_grad_(True)
+        saved = _Saved(x=x, pre_out=pre_out if pre_out is not None and pre_out.requires_grad else None)
+        if self.rt.recompute:
+            with torch.no_grad():
+                y = self._call(flat, x)
+        else:
+            swap = _WeightSwap(flat.untyped_storage().data_ptr())
+            anchor = torch.zeros(1, dtype=flat.dtype, device=flat.device).expand(flat.numel()).requires_grad_()
+            with torch.autograd.graph.saved_tensors_hooks(swap.pack, swap.unpack):
+                y = self._call(_Port.apply(anchor, flat), x)
+            saved.y, saved.swap, saved.anchor = y, swap, anchor
+        self.saved[(a.mb, a.chunk)] = saved
+        self.next_input[(a.mb, a.chunk + 1)] = y.detach()
+
+    def _loss(self, i: int, a: Action) -> None:
+        h = self.next_input.pop((a.mb, self.P)).requires_grad_(True)
+        loss = self.post_fn(h, self.mbs[a.mb])
+        loss.backward()
+        self.losses[a.mb] = loss.detach()
+        self.saved[(a.mb, self.P - 1)].dy = h.grad
+
+    def _backward(self, i: int, a: Action) -> None:
+        self._input_pass(a, weight_too=True)
+
+    def _backward_input(self, i: int, a: Action) -> None:
+        self._input_pass(a, weight_too=False)
+
+    def _input_pass(self, a: Action, weight_too: bool) -> None:
+        s = self.saved[(a.mb, a.chunk)]
+        bwd = self._get(a, a.buffer)
+        if self.rt.recompute:
+            s.anchor = bwd.detach().requires_grad_(True)
+            with torch.enable_grad():
+                s.y = self._call(s.anchor, s.x)
+        else:
+            s.swap.flat = bwd
+        s.bwd_flat = bwd
+        want_x = a.chunk > 0 or s.pre_out is not None
+        inputs = ([s.x] if want_x else []) + ([s.anchor] if weight_too else [])
+        if inputs:
+            grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not weight_too)
+        else:
+            grads = ()
+        if want_x:
+            self._pass_down(a, s, grads[0])
+        if weight_too:
+            self._add_weight_grad(a, grads[-1])
+            del self.saved[(a.mb, a.chunk)]
+
+    def _backward_weight(self, i: int, a: Action) -> None:
+        s = self.saved.pop((a.mb, a.chunk))
+        (dw,) = torch.autograd.grad(s.y, [s.anchor], s.dy)
+        self._add_weight_grad(a, dw)
+
+    def _pass_down(self, a: Action, s: _Saved, dx: torch.Tensor) -> None:
+        if a.chunk > 0:
+            self.saved[(a.mb, a.chunk - 1)].dy = dx
+        else:
+            s.pre_out.backward(dx.to(s.pre_out.dtype))
+
+    def _add_weight_grad(self, a: Action, dw: torch.Tensor) -> None:
+        self._get(a, a.grad).add_(dw.reshape(-1).to(self.rt.grad_dtype))
