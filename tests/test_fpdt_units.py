@@ -288,3 +288,33 @@ def test_offload_keeps_chunk_state_on_device_o_of_chunk():
     # 16 chunks: without offload every chunk's q, k, v, o, lse, do, dq is held at once;
     # with offload at most two chunks per stream are.
     assert peaks[True] * 4 < peaks[False]
+
+
+def test_no_grad_forward_keeps_only_kv():
+    spec = AttentionSpec(32, 4, 8, 2)
+    x = torch.randn(32, 1, 32, dtype=torch.float64)
+    w = torch.randn(spec.qkv_size, 32, dtype=torch.float64, requires_grad=True)
+    wp = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
+    cfg = FPDTConfig(chunk_size=8, offload=True)
+    with_grad = fpdt_attention(x, w, None, wp, None, spec, cfg)
+    stats = OffloadStats()
+    with torch.no_grad():
+        inference = fpdt_attention(x, w, None, wp, None, spec, cfg, stats=stats)
+    assert torch.equal(inference, with_grad.detach()) and not inference.requires_grad
+    kv_bytes = 4 * 2 * (8 * 2 * 8 * 8)  # 4 chunks of k and v, [b=1, 2 kv heads, C=8, d=8] float64
+    assert stats.d2h_bytes == kv_bytes and stats.device_bytes == 0
+
+
+def test_longest_fitting_doubles_then_bisects():
+    from megatron_weipipe.fpdt.benchutil import longest_fitting
+
+    seen = []
+
+    def fits(n):
+        seen.append(n)
+        return n <= 5000
+
+    assert longest_fitting(fits, 256, 256, 65536) == 4864
+    assert seen[:6] == [256, 512, 1024, 2048, 4096, 8192]
+    assert longest_fitting(lambda n: True, 256, 256, 1024) == 1024
+    assert longest_fitting(lambda n: False, 256, 256, 1024) == 0

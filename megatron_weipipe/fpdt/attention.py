@@ -60,6 +60,7 @@ class _Plan:
     pool: HostBufferPool | None
     stats: OffloadStats | None
     counter: CommCounter | None
+    save: bool = True  # False under no_grad / inference: keep only what the forward needs
 
 
 def _table(spec: AttentionSpec, start: int, length: int, dtype, device):
@@ -119,7 +120,8 @@ class FPDTAttentionFunction(torch.autograd.Function):
         def finish_o(item):
             j, pend = item
             o_local = pend.wait().reshape(L, b, -1)
-            store.put("olocal", j, o=o_local)
+            if plan.save:
+                store.put("olocal", j, o=o_local)
             torch.matmul(o_local, w_proj.t(), out=out[j * L : (j + 1) * L])
 
         pending = launch(0)
@@ -132,7 +134,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
             table = _table(spec, i * C, C, q.dtype, q.device)
             if table is not None:
                 q, k = apply_rotary(q, table), apply_rotary(k, table)
-            if plan.offload:
+            if plan.offload and plan.save:
                 store.put("x", i, x=x[i * L : (i + 1) * L])
             store.put("kv", i, k=k, v=v)
             if i > 0:
@@ -149,7 +151,8 @@ class FPDTAttentionFunction(torch.autograd.Function):
                     del kv
                     store.release("kv", j)
                 o = o.to(x.dtype)
-            store.put("q", i, q=q, o=o, lse=lse)
+            if plan.save:
+                store.put("q", i, q=q, o=o, lse=lse)
             del k, v
             if olocal_pending is not None:
                 finish_o(olocal_pending)
@@ -165,6 +168,9 @@ class FPDTAttentionFunction(torch.autograd.Function):
         all_reduce_(out, plan.tp_group)
         if b_proj is not None:
             out += b_proj
+        if not plan.save:
+            store.close()
+            return out
 
         ctx.plan, ctx.store = plan, store
         ctx.shape = (s_l, b, L, C)
@@ -315,7 +321,9 @@ def fpdt_attention(
     kernel = select_kernel(config.kernel, hidden_states.device, hidden_states.dtype, spec.head_dim)
     if config.offload and pool is None:
         pool = HostBufferPool(pin_memory=hidden_states.is_cuda)
-    plan = _Plan(spec, cp_group, tp_group, u, kernel, config.offload, config.overlap_comm, pool, stats, counter)
+    tensors = (hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias)
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    plan = _Plan(spec, cp_group, tp_group, u, kernel, config.offload, config.overlap_comm, pool, stats, counter, save)
     return FPDTAttentionFunction.apply(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, plan)
 
 
