@@ -34,6 +34,7 @@ def _megatron_run(rank, world):
         FPDTConfig,
         FPDTSelfAttention,
         RotaryConfig,
+        attention_spec_from_megatron,
         chunked_cross_entropy,
         chunked_mlp,
         fpdt_attention,
@@ -86,7 +87,8 @@ def _megatron_run(rank, world):
     xm = x.clone().requires_grad_(True)
     out_m, bias_m = attn(xm, attention_mask=None, rotary_pos_emb=emb)
     (out_m + bias_m).backward(dy)
-    spec = AttentionSpec(hidden, heads // world, d, groups // world, rotary=rot)
+    spec = attention_spec_from_megatron(cfg, world, rotary=rot)
+    assert spec == AttentionSpec(hidden, heads // world, d, groups // world, rotary=rot)
     xf = x.clone().requires_grad_(True)
     out_f = fpdt_attention(
         xf, attn.linear_qkv.weight, attn.linear_qkv.bias, attn.linear_proj.weight, attn.linear_proj.bias,
@@ -101,7 +103,7 @@ def _megatron_run(rank, world):
     sd = {k: v for k, v in attn.state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = mod.load_state_dict(sd, strict=False)
     res["keys"] = (sorted(missing), sorted(unexpected))
-    out_mod, bias_mod = mod(x)
+    out_mod, bias_mod = mod(x, attention_mask=None, rotary_pos_emb=emb)
     res["module_out"] = (out_mod + bias_mod - (out_m + bias_m)).abs().max().item()
 
     # --- MLP (SwiGLU, [gate | up] fc1 layout) vs chunked_mlp

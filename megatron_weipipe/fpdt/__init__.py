@@ -4,7 +4,7 @@ Self-contained building blocks that take explicit process groups; see docs/fpdt.
 """
 
 from megatron_weipipe.fpdt.attention import FPDTAttentionFunction, fpdt_attention, ulysses_attention
-from megatron_weipipe.fpdt.config import AttentionSpec, FPDTConfig, RotaryConfig, check_layout
+from megatron_weipipe.fpdt.config import AttentionSpec, FPDTConfig, RotaryConfig, attention_spec_from_megatron, check_layout
 from megatron_weipipe.fpdt.kernels import MathKernel, merge, select_kernel
 from megatron_weipipe.fpdt.layout import (
     gather_sequence,
@@ -40,6 +40,7 @@ __all__ = [
     "OffloadStats",
     "RotaryConfig",
     "all_to_all_heads_to_seq",
+    "attention_spec_from_megatron",
     "all_to_all_seq_to_heads",
     "check_layout",
     "chunked_cross_entropy",

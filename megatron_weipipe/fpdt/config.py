@@ -164,3 +164,31 @@ def check_layout(seq_len: int, cp_size: int, num_chunks: int) -> None:
             f"sequence length {seq_len} is not divisible by chunks x context-parallel size "
             f"= {num_chunks} x {cp_size}"
         )
+
+
+def attention_spec_from_megatron(
+    config,
+    tp_size: int = 1,
+    rotary: RotaryConfig | None = None,
+) -> AttentionSpec:
+    """AttentionSpec for one TP rank from a megatron-core TransformerConfig (duck-typed).
+
+    Rotary settings live on GPTModel in Megatron (rotary_base, rotary_percent,
+    seq_len_interpolation_factor, rope_scaling), so pass them as ``rotary``; None means
+    no rotary embedding (e.g. learned absolute positions).
+    """
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    if heads % tp_size or groups % tp_size:
+        raise ValueError(
+            f"num_attention_heads={heads} and num_query_groups={groups} must be divisible by the TP size {tp_size}"
+        )
+    return AttentionSpec(
+        hidden_size=config.hidden_size,
+        num_heads=heads // tp_size,
+        head_dim=config.kv_channels or config.hidden_size // heads,
+        num_query_groups=groups // tp_size,
+        rotary=rotary,
+        softmax_scale=getattr(config, "softmax_scale", None),
+        attention_dropout=getattr(config, "attention_dropout", 0.0),
+    )

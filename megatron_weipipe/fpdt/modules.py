@@ -69,7 +69,9 @@ class FPDTSelfAttention(nn.Module):
         self.offload_stats = OffloadStats()
         self.comm = CommCounter()
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unused):
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb=None, **unused):
+        """Megatron's SelfAttention call signature. ``rotary_pos_emb`` is not used: the
+        rotary table of each chunk is built from its global positions (spec.rotary)."""
         if attention_mask is not None:
             raise ValueError("FPDTSelfAttention is causal only: pass attention_mask=None")
         if self.config.offload and self.pool is None:
