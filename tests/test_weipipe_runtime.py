@@ -204,3 +204,73 @@ def test_two_data_parallel_rings_match_reference():
         head(h, labels).backward()
     for ring_rank, grad, _ in out:
         assert _rel(grad, flats[ring_rank].grad) < 1e-5
+
+
+def _options_worker(rank, world_size):
+    """(a) The backward really reads the backward-weight buffer: perturbing only what is
+    loaded into bwd_weights leaves the losses exact and breaks the gradients, with and
+    without recomputation. (b) bf16 compute / bf16 gradient messages run, stay close to
+    the reference, and the byte counter sees 2-byte elements."""
+    from megatron_weipipe.schedules.weipipe import runtime as rt_mod
+    from megatron_weipipe.schedules.weipipe.actions import Flow
+
+    P, G = world_size, 2
+    ring = dist.new_group(list(range(P)))
+    ref_losses, (ref_chunk_grads, _), _ = reference(P, G)
+    template = make_chunk(0)
+    layout = FlatLayout.from_module(template)
+    emb, head = make_replicated()
+    mbs = [microbatch(0, rank * G + m) for m in range(G)]
+    out = {}
+
+    original_load = rt_mod._IterationState._load
+
+    def skewed_load(self, i, a):
+        original_load(self, i, a)
+        if a.buffer.flow is Flow.BWD_WEIGHTS:
+            self.buffers[a.buffer][1].mul_(1.5)
+
+    rt_mod._IterationState._load = skewed_load
+    try:
+        for recompute in (False, True):
+            master = layout.flatten(make_chunk(1000 + rank))
+            rt = WeiPipeRuntime(generate("weipipe-interleave", P, G), ring_group=ring,
+                                chunk_template=template, recompute=recompute)
+            res = rt.run_iteration(master, mbs, pre_fn=lambda mb: emb(mb[0]), post_fn=lambda h, mb: head(h, mb[1]))
+            out[f"skewed_recompute={recompute}"] = (
+                _rel(torch.stack(res.losses), ref_losses[0][rank * G:(rank + 1) * G]),
+                _rel(res.main_grad, ref_chunk_grads[rank]),
+            )
+    finally:
+        rt_mod._IterationState._load = original_load
+    for p in list(emb.parameters()) + list(head.parameters()):
+        p.grad = None
+
+    master = layout.flatten(make_chunk(1000 + rank))
+    rt = WeiPipeRuntime(generate("weipipe-zb", P, G), ring_group=ring, chunk_template=template,
+                        compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
+    res = rt.run_iteration(master, mbs, pre_fn=lambda mb: emb(mb[0]),
+                           post_fn=lambda h, mb: head(h.float(), mb[1]))
+    out["bf16"] = (
+        _rel(torch.stack(res.losses), ref_losses[0][rank * G:(rank + 1) * G]),
+        _rel(res.main_grad, ref_chunk_grads[rank]),
+        res.main_grad.dtype,
+        res.bytes.as_dict()["sent"],
+    )
+    return out
+
+
+@pytest.mark.distributed
+def test_backward_weights_are_used_and_low_precision_options():
+    P, G = 2, 2
+    numel = FlatLayout.from_module(make_chunk(0)).numel
+    for rank, out in enumerate(run_distributed(_options_worker, P, timeout=120)):
+        for recompute in (False, True):
+            loss_err, grad_err = out[f"skewed_recompute={recompute}"]
+            assert loss_err < 1e-6, "forward must not read the backward-weight buffer"
+            assert grad_err > 1e-2, "backward must read the backward-weight buffer"
+        loss_err, grad_err, dtype, sent = out["bf16"]
+        assert loss_err < 3e-2 and grad_err < 6e-2, (loss_err, grad_err)
+        assert dtype == torch.float32
+        want = expected_messages("weipipe-zb", P, G, rank)
+        assert sent == {flow.value: n * numel * 2 for flow, n in want.items()}
