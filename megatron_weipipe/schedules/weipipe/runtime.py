@@ -12,10 +12,12 @@ microbatches of the ring) is returned flat; the caller reduces it over data-para
 replicas and steps its optimizer. Losses are backpropagated as returned by post_fn
 (scale them there, e.g. by 1/num_microbatches, if a mean is wanted).
 
-Communication follows the list literally: a RECV's irecv is posted `lookahead` ticks
-ahead into a fresh tensor (the double buffer: the next hop lands while this tick
-computes) and waited at the RECV; a SEND is an isend posted where it stands. Every flow
-has its own tag, so two flows to the one neighbour of a ring of 2 never cross.
+Communication follows the list: a SEND is an isend posted where it stands; a RECV's
+irecv is posted `lookahead` ticks ahead into a fresh tensor (the double buffer: the
+next hop lands while this tick computes) and waited at the RECV. Every flow has its own
+tag, so two flows to the one neighbour of a ring of 2 never cross on gloo; receives are
+also posted per peer in the order that peer sends, so matching holds where tags are
+ignored (NCCL; `use_tags=False` runs that way on gloo too).
 
 Backward weights are real: without recomputation the forward graph does not keep the
 forward-weight buffer; the weights it saved are swapped at unpack time for views of the
@@ -148,6 +150,7 @@ class WeiPipeRuntime:
         grad_dtype: torch.dtype = torch.float32,
         recompute: bool = False,
         lookahead: int = 1,
+        use_tags: bool = True,
     ):
         if schedule.family != "weipipe":
             raise ScheduleError(f"{schedule.name} is not a WeiPipe schedule")
@@ -166,8 +169,12 @@ class WeiPipeRuntime:
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         self.recompute = recompute
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0 ticks, got {lookahead}")
         self.lookahead = lookahead
+        self.use_tags = use_tags
         self.actions = schedule.actions(self.ring_rank)
+        self.post_key = _post_keys(schedule, self.ring_rank)
 
     # ------------------------------------------------------------------ public
 
@@ -203,6 +210,29 @@ class WeiPipeRuntime:
         state.run()
         return IterationResult(losses=[state.losses[m] for m in range(len(microbatches))],
                                main_grad=main_grad, bytes=state.bytes)
+
+
+def _post_keys(schedule: Schedule, rank: int) -> dict[int, tuple[int, int]]:
+    """For each RECV on `rank` (by list index): (tick, index of the matching SEND in the
+    sender's list). Receives are posted in this order, i.e. per peer in the order the
+    peer sends, so matching holds even where tags are ignored (NCCL matches point-to-point
+    messages per peer in issue order)."""
+    sends: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for peer, acts in enumerate(schedule.ranks):
+        for j, a in enumerate(acts):
+            if a.kind is Kind.SEND and a.peer == rank:
+                sends[(peer, a.tag)].append(j)
+    taken: dict[tuple[int, int], int] = defaultdict(int)
+    keys = {}
+    for i, a in enumerate(schedule.actions(rank)):
+        if a.kind is Kind.RECV:
+            queue = sends[(a.peer, a.tag)]
+            n = taken[(a.peer, a.tag)]
+            if n >= len(queue):
+                raise ScheduleError(f"{a}: rank {a.peer} never sends it")
+            keys[i] = (a.tick, queue[n])
+            taken[(a.peer, a.tag)] += 1
+    return keys
 
 
 class _IterationState:
@@ -253,30 +283,31 @@ class _IterationState:
         return self.rt.grad_dtype if a.flow is Flow.GRADS else self.rt.compute_dtype
 
     def _post_recvs(self, upto_tick: int) -> None:
+        """Post the irecvs of every tick up to `upto_tick` (whole ticks, in sender order)."""
         acts = self.rt.actions
+        batch = []
         while self.recv_cursor < len(self.recv_order):
             i = self.recv_order[self.recv_cursor]
             if acts[i].tick > upto_tick:
                 break
-            self._post(i, acts[i])
+            batch.append(i)
             self.recv_cursor += 1
+        for i in sorted(batch, key=self.rt.post_key.__getitem__):
+            self._post(i, acts[i])
+
+    def _tag(self, a: Action) -> int:
+        return a.tag if self.rt.use_tags else 0
 
     def _post(self, i: int, a: Action) -> None:
         t = torch.empty(self.rt.layout.numel, dtype=self._message_dtype(a), device=self.device)
-        work = dist.irecv(t, src=self.rt.global_rank[a.peer], group=self.rt.group, tag=a.tag)
+        work = dist.irecv(t, src=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
         self.posted[i] = (work, t)
 
     def _reap_sends(self) -> None:
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
 
     def _recv(self, i: int, a: Action) -> None:
-        if i not in self.posted:  # lookahead 0 or a list with RECVs ahead of their tick
-            while self.recv_order[self.recv_cursor] != i:
-                self._post(self.recv_order[self.recv_cursor], self.rt.actions[self.recv_order[self.recv_cursor]])
-                self.recv_cursor += 1
-            self._post(i, a)
-            self.recv_cursor += 1
-        work, t = self.posted.pop(i)
+        work, t = self.posted.pop(i)  # posted at the start of its tick at the latest
         work.wait()
         self.bytes.count(a.flow, t.numel() * t.element_size(), sent=False)
         self._put(a, t)
@@ -285,7 +316,7 @@ class _IterationState:
         chunk, t = self.buffers.pop(a.buffer)
         if chunk != a.chunk:
             raise ScheduleError(f"{a}: buffer holds chunk {chunk}")
-        work = dist.isend(t, dst=self.rt.global_rank[a.peer], group=self.rt.group, tag=a.tag)
+        work = dist.isend(t, dst=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
         self.sends.append((work, t))
         self.bytes.count(a.flow, t.numel() * t.element_size(), sent=True)
 
