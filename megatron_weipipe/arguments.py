@@ -243,6 +243,9 @@ def config_from_args(args: argparse.Namespace, world_size: Optional[int] = None)
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
+        # The model applies the causal mask itself; an [s, s] mask per sample is only needed
+        # when documents inside a sequence must not see each other.
+        create_attention_mask=args.reset_attention_mask,
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,

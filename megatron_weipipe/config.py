@@ -342,7 +342,12 @@ class PretrainConfig:
         _require(p.weipipe_grad_dtype in ("fp32", "bf16"), "--weipipe-grad-dtype must be fp32 or bf16")
         self.data.seq_length = m.seq_length
         self.data.seed = t.seed
-        self.data.validate()
+        try:
+            self.data.validate()
+        except ConfigError:
+            raise
+        except ValueError as e:  # missing or corrupt data files: same one-line treatment
+            raise ConfigError(str(e)) from e
 
         from megatron_weipipe.schedules.registry import get_schedule
 

@@ -150,11 +150,14 @@ def pretrain(
     model_provider: Callable[..., torch.nn.Module],
     forward_step: ForwardStep,
     datasets_provider: Callable = build_train_valid_test_datasets,
+    after_backward: Optional[Callable[[int, TrainSchedule], None]] = None,
 ) -> TrainState:
     """Train ``cfg.training.train_iters`` iterations; returns the final state (losses per iteration).
 
     ``model_provider(cfg, vocab_size, pre_process, post_process, vp_stage=None)`` builds one
     stage; ``forward_step(data_iterator, model)`` is Megatron-LM's forward step.
+    ``after_backward(iteration, schedule)``, if given, sees the reduced gradients of every
+    iteration before the optimizer step (tests compare them across schedules).
     """
     start_time = time.time()
     groups = initialize_distributed(cfg)
@@ -187,6 +190,8 @@ def pretrain(
     num_samples = [t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
     train_ds, valid_ds, _ = datasets_provider(cfg.data, tokenizer, num_samples)
     data_rank, data_size, n_mb = schedule.data_shard()
+    if train_ds is None and t.train_iters > 0 and not t.skip_train:
+        raise ValueError(f"--split {cfg.data.split} leaves no training data")
     train_iter = iter(
         build_data_loader(
             train_ds, t.micro_batch_size, state.consumed_train_samples, data_rank, data_size, cfg.data.num_workers
@@ -216,6 +221,8 @@ def pretrain(
             result = schedule.forward_backward(forward_step, microbatches)
             values = _loss_values(result)
             contributes = result.has_loss and groups.tp_rank == 0 and groups.cp_rank == 0
+            if after_backward is not None:
+                after_backward(state.iteration + 1, schedule)
             timed_out = (
                 t.exit_duration_in_mins is not None and (time.time() - start_time) / 60.0 > t.exit_duration_in_mins
             )
