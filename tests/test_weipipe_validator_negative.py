@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from megatron_weipipe.schedules.weipipe import Flow, Kind, ScheduleError, generate, validate
+from megatron_weipipe.schedules.weipipe.execution import walk
 
 
 def mutate(schedule, rank, fn):
@@ -150,3 +151,10 @@ def test_load_by_a_rank_that_does_not_own_the_chunk():
     bad = mutate(s, 3, lambda acts: replace_first(acts, lambda a: a.kind is Kind.LOAD, chunk=2))
     with pytest.raises(ScheduleError, match="loads chunk 2, which it does not own"):
         validate(bad)
+
+
+def test_wrong_way_routing_does_not_even_pair_up():
+    # ranks send different numbers of backward-weight messages, so reversed, they starve
+    bad = _reverse(generate("weipipe-interleave", 3, 2), Flow.BWD_WEIGHTS)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        walk(bad, lambda a, m: None)
