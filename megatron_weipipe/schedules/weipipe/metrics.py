@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Mapping, Optional
+from typing import Mapping
 
 from .actions import COMPUTE_KINDS, Flow, Kind, Schedule, ScheduleError
 from .simulate import DEFAULT_COSTS, simulate
