@@ -80,7 +80,7 @@ def run_distributed(
         ctx.Process(
             target=_rank_main,
             args=(fn, r, world_size, port, results, child_env, args, kwargs),
-            daemon=True,
+            daemon=False,  # ranks may start children of their own (checkpoint writers)
         )
         for r in range(world_size)
     ]

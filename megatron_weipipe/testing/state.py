@@ -35,8 +35,10 @@ def local_shards(model_chunks: Iterable[torch.nn.Module], what: str = "param") -
     """This rank's shards of every model tensor, keyed by '<key>@<layer coords>'."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    from megatron_weipipe.training.checkpointing import unwrap
+
     out: dict[str, list[Shard]] = {}
-    for chunk in model_chunks:
+    for chunk in map(unwrap, model_chunks):
         params = {p.data_ptr(): p for p in chunk.parameters()}
         for sh in _flatten(chunk.sharded_state_dict()):
             if not isinstance(sh, ShardedTensor) or not isinstance(sh.data, torch.Tensor):

@@ -39,6 +39,13 @@ class LoadedState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     num_skipped_iterations: int = 0
+    rng_state: object = None  # applied by the loop just before training resumes
+
+    def restore_rng(self) -> None:
+        """Apply the saved RNG state; call after everything that draws random numbers at start-up."""
+        if self.rng_state is not None:
+            _restore_rng(self.rng_state)
+            self.rng_state = None
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -116,6 +123,13 @@ def _layout(cfg: PretrainConfig) -> dict:
     }
 
 
+def unwrap(chunk):
+    """The model inside a DDP wrapper: checkpoint keys must not depend on the wrapper."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
 def _model_keys(model_chunks) -> list[str]:
     return ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
 
@@ -124,7 +138,7 @@ def _sharded_state(cfg, groups, model_chunks, optimizer, scheduler, *, is_loadin
                    with_rng: bool, extra: Optional[dict] = None) -> dict:
     state: dict = {}
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
-        state[key] = chunk.sharded_state_dict()
+        state[key] = unwrap(chunk).sharded_state_dict()
     if with_optim and optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
         state["opt_param_scheduler"] = scheduler.state_dict() if scheduler is not None else {}
@@ -248,14 +262,12 @@ def load_checkpoint(cfg: PretrainConfig, groups: ParallelGroups, model_chunks, o
     except Exception as e:
         raise CheckpointError(f"--load: cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
-        chunk.load_state_dict(state[key], strict=True)
+        unwrap(chunk).load_state_dict(state[key], strict=True)
     if with_optim:
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state.get("opt_param_scheduler"):
             scheduler.load_state_dict(state["opt_param_scheduler"])
-    if with_rng:
-        _restore_rng(state["rng_state"])
-    elif not finetune and dist.get_rank() == 0:
+    if not with_rng and not finetune and dist.get_rank() == 0:
         log.warning("checkpoint %s was saved under another parallel layout: RNG state not restored", path)
     if finetune:
         return LoadedState()
@@ -264,4 +276,5 @@ def load_checkpoint(cfg: PretrainConfig, groups: ParallelGroups, model_chunks, o
         consumed_train_samples=int(common.get("consumed_train_samples", 0)),
         consumed_valid_samples=int(common.get("consumed_valid_samples", 0)),
         num_skipped_iterations=int(common.get("num_skipped_iterations", 0)),
+        rng_state=state["rng_state"] if with_rng else None,
     )

@@ -205,6 +205,8 @@ def pretrain(
             )
         )
 
+    # Dataset and loader construction may draw random numbers; restore the saved state after them.
+    loaded.restore_rng()
     flops = model_flops_per_iteration(cfg, vocab)
     tb = TensorBoardWriter(cfg.logging.tensorboard_dir, dist.get_rank() == dist.get_world_size() - 1)
     exit_signal = _ExitSignal(t.exit_signal_handler)
