@@ -92,7 +92,7 @@ def _loss_rank(rank, world, seq, hidden, vocab, chunks):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--seqs", type=int, nargs="*", default=[2048, 4096, 8192], help="none: skip the table")
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024, help="FPDT chunk size C (global tokens)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -114,10 +114,11 @@ def main(argv=None):
     print(f"# command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} python bench/fpdt_memory.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# layer {shape}, float32 on CPU / bf16 on CUDA, CP={args.cp} (plain: 1 rank), chunk C={args.chunk}; memory = {unit}, max over ranks")
 
-    print("\n| method | " + " | ".join(f"S={s}" for s in args.seqs) + " |")
-    print("|---|" + "---|" * len(args.seqs))
+    if args.seqs:
+        print("\n| method | " + " | ".join(f"S={s}" for s in args.seqs) + " |")
+        print("|---|" + "---|" * len(args.seqs))
     rows = {}
-    for m in args.methods:
+    for m in args.methods if args.seqs else []:
         rows[m] = [measure_layer(shape, m, s, args.cp, args.chunk, args.device) for s in args.seqs]
         cells = []
         for r in rows[m]:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_weipipe.fpdt.config import AttentionSpec, FPDTConfig
-from megatron_weipipe.fpdt.kernels import acc_dtype, merge, select_kernel
+from megatron_weipipe.fpdt.kernels import acc_dtype, accumulate_matmul, merge, select_kernel
 from megatron_weipipe.fpdt.offload import ChunkStore, HostBufferPool, OffloadStats
 from megatron_weipipe.fpdt.rotary import RotaryTable, apply_rotary_backward, rotary, apply_rotary
 from megatron_weipipe.fpdt.tp import all_reduce_, copy_to_tp, reduce_from_tp
@@ -203,7 +203,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
                 if j + 1 < u:
                     store.prefetch("olocal", j + 1)
                 ol = store.get("olocal", j)["o"]
-                dw_proj = _add(dw_proj, dy.flatten(0, 1).t() @ ol.flatten(0, 1), acc)
+                dw_proj = accumulate_matmul(dw_proj, dy.flatten(0, 1).t(), ol.flatten(0, 1))
                 del ol
             store.drop("olocal", j)
             d_ol = torch.matmul(dy, w_proj).view(L, b, spec.num_heads, spec.head_dim)
@@ -231,7 +231,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
                 torch.matmul(dm, w_qkv, out=dx[i * L : (i + 1) * L])
             if need_wq:
                 xi = store.get("x", i)["x"] if plan.offload else x[i * L : (i + 1) * L]
-                dw_qkv = _add(dw_qkv, dm.flatten(0, 1).t() @ xi.flatten(0, 1), acc)
+                dw_qkv = accumulate_matmul(dw_qkv, dm.flatten(0, 1).t(), xi.flatten(0, 1))
                 del xi
             if b_qkv is not None and need_bq:
                 db_qkv = _add(db_qkv, dm.sum(dim=(0, 1)), acc)

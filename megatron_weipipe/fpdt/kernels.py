@@ -33,6 +33,16 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def accumulate_matmul(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b with acc in the accumulation dtype; in place (no temporary) when the
+    dtypes already match, which is what keeps weight-gradient sums over chunks cheap."""
+    if acc is None:
+        return (a @ b).to(acc_dtype(a.dtype))
+    if acc.dtype == a.dtype:
+        return acc.addmm_(a, b)
+    return acc.add_(a @ b)
+
+
 def _expand_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
     return k if groups == 1 else k.repeat_interleave(groups, dim=1)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_weipipe.fpdt.kernels import acc_dtype
+from megatron_weipipe.fpdt.kernels import acc_dtype, accumulate_matmul
 from megatron_weipipe.fpdt.tp import all_reduce_
 from megatron_weipipe.fpdt.ulysses import group_rank, group_size
 
@@ -91,8 +91,7 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
             if need_h:
                 torch.matmul(g, weight, out=dh[lo:hi])
             if need_w:
-                gw = g.flatten(0, 1).t() @ hc.flatten(0, 1)
-                dw = gw.to(acc_dtype(hidden.dtype)) if dw is None else dw + gw
+                dw = accumulate_matmul(dw, g.flatten(0, 1).t(), hc.flatten(0, 1))
             del g
         if dh is not None:
             all_reduce_(dh, plan.tp_group)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from megatron_weipipe.fpdt.kernels import acc_dtype
+from megatron_weipipe.fpdt.kernels import acc_dtype, accumulate_matmul
 from megatron_weipipe.fpdt.tp import all_reduce_
 from megatron_weipipe.fpdt.ulysses import group_size
 
@@ -95,13 +95,11 @@ class ChunkedMLPFunction(torch.autograd.Function):
                 h = F.linear(xc, w1, b1).detach().requires_grad_(True)
                 a = _activate(h, plan.act, plan.gated)
             if need_w2:
-                g = dyc.flatten(0, 1).t() @ a.detach().flatten(0, 1)
-                dw2 = g.to(acc) if dw2 is None else dw2 + g
+                dw2 = accumulate_matmul(dw2, dyc.flatten(0, 1).t(), a.detach().flatten(0, 1))
             (dh,) = torch.autograd.grad(a, h, torch.matmul(dyc, w2))
             del a, h
             if need_w1:
-                g = dh.flatten(0, 1).t() @ xc.flatten(0, 1)
-                dw1 = g.to(acc) if dw1 is None else dw1 + g
+                dw1 = accumulate_matmul(dw1, dh.flatten(0, 1).t(), xc.flatten(0, 1))
             if b1 is not None and need_b1:
                 g = dh.sum(dim=(0, 1))
                 db1 = g.to(acc) if db1 is None else db1 + g
