@@ -101,24 +101,44 @@ class MathKernel:
 
 
 class CpuFlashKernel:
-    """torch's CPU flash-attention op (returns logsumexp); GQA by expanding K/V."""
+    """torch's CPU flash-attention op (returns logsumexp). Recent torch handles GQA in the
+    op itself (probed once); older versions get K/V expanded to the query heads."""
 
     name = "cpu_flash"
+    _native_gqa: bool | None = None
+
+    @classmethod
+    def native_gqa(cls) -> bool:
+        if cls._native_gqa is None:
+            q, kv = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 2, 8)
+            try:
+                o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kv, kv, 0.0, True)
+                grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(o, q, kv, kv, o, lse, 0.0, True)
+                cls._native_gqa = tuple(grads[1].shape) == tuple(kv.shape)
+            except RuntimeError:
+                cls._native_gqa = False
+        return cls._native_gqa
+
+    def _kv(self, q, k, v):
+        g = q.shape[1] // k.shape[1]
+        if g == 1 or self.native_gqa():
+            return 1, k.contiguous(), v.contiguous()
+        return g, _expand_kv(k, g).contiguous(), _expand_kv(v, g).contiguous()
 
     def forward(self, q, k, v, causal: bool, scale: float):
-        g = q.shape[1] // k.shape[1]
+        _, k, v = self._kv(q, k, v)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), _expand_kv(k, g).contiguous(), _expand_kv(v, g).contiguous(), 0.0, causal, scale=scale
+            q.contiguous(), k, v, 0.0, causal, scale=scale
         )
         return out, lse.to(acc_dtype(q.dtype))
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
-        g = q.shape[1] // k.shape[1]
+        g, k, v = self._kv(q, k, v)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(),
             q.contiguous(),
-            _expand_kv(k, g).contiguous(),
-            _expand_kv(v, g).contiguous(),
+            k,
+            v,
             out.contiguous(),
             lse.float().contiguous(),
             0.0,
