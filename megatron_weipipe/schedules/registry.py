@@ -14,6 +14,9 @@ _SCHEDULES: dict[str, str] = {
     "none": "megatron_weipipe.schedules.megatron_schedules:NoPipelining",
     "1f1b": "megatron_weipipe.schedules.megatron_schedules:OneFOneB",
     "interleaved": "megatron_weipipe.schedules.megatron_schedules:Interleaved",
+    "weipipe-naive": "megatron_weipipe.schedules.weipipe_train:WeiPipeNaive",
+    "weipipe-interleave": "megatron_weipipe.schedules.weipipe_train:WeiPipeInterleave",
+    "weipipe-zb": "megatron_weipipe.schedules.weipipe_train:WeiPipeZeroBubble",
 }
 
 

@@ -29,9 +29,10 @@ wrong chunk into a backward gives wrong gradients, which the parity tests would 
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,23 @@ class _Port(torch.autograd.Function):
         return grad, None
 
 
+class TorchRNG:
+    """RNG state that a recomputed forward must replay (dropout masks): torch's CPU
+    generator and, where present, the current CUDA device's. Callers with more RNG
+    streams (e.g. megatron-core's tensor-parallel tracker) pass their own object with
+    the same two methods."""
+
+    def get_state(self):
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        return torch.get_rng_state(), cuda
+
+    def set_state(self, state) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+
+
 class _WeightSwap:
     """Saved-tensor hooks: weight views saved in the forward are recorded by position
     and re-materialised from whatever backward-weight buffer `flat` names at unpack."""
@@ -126,6 +144,7 @@ class _Saved:
     x: torch.Tensor  # chunk input (detached leaf)
     pre_out: Optional[torch.Tensor] = None  # chunk 0: pre_fn output, still attached to its graph
     y: Optional[torch.Tensor] = None  # output with graph (no recompute, or after a split backward)
+    rng: Any = None  # RNG state before the forward, replayed by the recompute
     swap: Optional[_WeightSwap] = None
     anchor: Optional[torch.Tensor] = None  # where the weight gradient lands
     bwd_flat: Optional[torch.Tensor] = None  # kept alive between the input and weight passes
@@ -151,7 +170,12 @@ class WeiPipeRuntime:
         recompute: bool = False,
         lookahead: int = 1,
         use_tags: bool = True,
+        comm_scope: Optional[Callable[[Flow], ContextManager]] = None,
+        rng: Any = None,
     ):
+        """`comm_scope(flow)`, if given, is entered around every isend/irecv of that flow
+        (e.g. to attribute bytes in a process-wide counter). `rng` (get_state/set_state)
+        is what a recomputed forward replays; TorchRNG() by default."""
         if schedule.family != "weipipe":
             raise ScheduleError(f"{schedule.name} is not a WeiPipe schedule")
         size = dist.get_world_size(ring_group)
@@ -173,6 +197,8 @@ class WeiPipeRuntime:
             raise ValueError(f"lookahead must be >= 0 ticks, got {lookahead}")
         self.lookahead = lookahead
         self.use_tags = use_tags
+        self.comm_scope = comm_scope or (lambda flow: contextlib.nullcontext())
+        self.rng = rng if rng is not None else TorchRNG()
         self.actions = schedule.actions(self.ring_rank)
         self.post_key = _post_keys(schedule, self.ring_rank)
 
@@ -187,6 +213,7 @@ class WeiPipeRuntime:
         *,
         main_grad: Optional[torch.Tensor] = None,
         grad_ready: Optional[Callable[[int, torch.Tensor], None]] = None,
+        chunk_kwargs: Optional[Callable[[Any], dict]] = None,
     ) -> IterationResult:
         """One iteration: the rank's G microbatches through all chunks, gradients home.
 
@@ -195,6 +222,8 @@ class WeiPipeRuntime:
         is allocated if None. `grad_ready(chunk, main_grad)` is called at the schedule's
         OPTIMIZER_STEP, the moment the gradient is complete (e.g. to start a
         data-parallel all-reduce early); the runtime itself never steps.
+        `chunk_kwargs(mb)` gives extra keyword arguments of the template call for that
+        microbatch (attention mask, rotary embedding), the same for every chunk.
         """
         if len(microbatches) != self.schedule.microbatches:
             raise ValueError(
@@ -206,7 +235,8 @@ class WeiPipeRuntime:
         device = master.device
         if main_grad is None:
             main_grad = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
-        state = _IterationState(self, master, microbatches, pre_fn, post_fn, main_grad, grad_ready, device)
+        state = _IterationState(self, master, microbatches, pre_fn, post_fn, main_grad, grad_ready, device,
+                                chunk_kwargs or (lambda mb: {}))
         state.run()
         return IterationResult(losses=[state.losses[m] for m in range(len(microbatches))],
                                main_grad=main_grad, bytes=state.bytes)
@@ -238,7 +268,8 @@ def _post_keys(schedule: Schedule, rank: int) -> dict[int, tuple[int, int]]:
 class _IterationState:
     """Buffers, saved activations and in-flight messages of one iteration."""
 
-    def __init__(self, rt: WeiPipeRuntime, master, microbatches, pre_fn, post_fn, main_grad, grad_ready, device):
+    def __init__(self, rt: WeiPipeRuntime, master, microbatches, pre_fn, post_fn, main_grad, grad_ready, device,
+                 chunk_kwargs):
         self.rt = rt
         self.P = rt.schedule.num_ranks
         self.master = master
@@ -247,6 +278,7 @@ class _IterationState:
         self.post_fn = post_fn
         self.main_grad = main_grad
         self.grad_ready = grad_ready
+        self.chunk_kwargs = chunk_kwargs
         self.device = device
         self.buffers: dict[Buffer, tuple[int, torch.Tensor]] = {}  # buffer -> (chunk, tensor)
         self.saved: dict[tuple[int, int], _Saved] = {}
@@ -300,7 +332,8 @@ class _IterationState:
 
     def _post(self, i: int, a: Action) -> None:
         t = torch.empty(self.rt.layout.numel, dtype=self._message_dtype(a), device=self.device)
-        work = dist.irecv(t, src=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
+        with self.rt.comm_scope(a.flow):
+            work = dist.irecv(t, src=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
         self.posted[i] = (work, t)
 
     def _reap_sends(self) -> None:
@@ -316,7 +349,8 @@ class _IterationState:
         chunk, t = self.buffers.pop(a.buffer)
         if chunk != a.chunk:
             raise ScheduleError(f"{a}: buffer holds chunk {chunk}")
-        work = dist.isend(t, dst=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
+        with self.rt.comm_scope(a.flow):
+            work = dist.isend(t, dst=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
         self.sends.append((work, t))
         self.bytes.count(a.flow, t.numel() * t.element_size(), sent=True)
 
@@ -352,8 +386,9 @@ class _IterationState:
 
     # -------------------------------------------------------------- compute
 
-    def _call(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.rt.template, self.rt.layout.views(flat), (x,))
+    def _call(self, flat: torch.Tensor, x: torch.Tensor, mb: int) -> torch.Tensor:
+        return functional_call(self.rt.template, self.rt.layout.views(flat), (x,),
+                               self.chunk_kwargs(self.mbs[mb]))
 
     def _forward(self, i: int, a: Action) -> None:
         flat = self._get(a, a.buffer)
@@ -366,13 +401,14 @@ class _IterationState:
         x.requires_grad_(True)
         saved = _Saved(x=x, pre_out=pre_out if pre_out is not None and pre_out.requires_grad else None)
         if self.rt.recompute:
+            saved.rng = self.rt.rng.get_state()
             with torch.no_grad():
-                y = self._call(flat, x)
+                y = self._call(flat, x, a.mb)
         else:
             swap = _WeightSwap(flat.untyped_storage().data_ptr())
             anchor = torch.zeros(1, dtype=flat.dtype, device=flat.device).expand(flat.numel()).requires_grad_()
             with torch.autograd.graph.saved_tensors_hooks(swap.pack, swap.unpack):
-                y = self._call(_Port.apply(anchor, flat), x)
+                y = self._call(_Port.apply(anchor, flat), x, a.mb)
             saved.y, saved.swap, saved.anchor = y, swap, anchor
         self.saved[(a.mb, a.chunk)] = saved
         self.next_input[(a.mb, a.chunk + 1)] = y.detach()
@@ -395,8 +431,13 @@ class _IterationState:
         bwd = self._get(a, a.buffer)
         if self.rt.recompute:
             s.anchor = bwd.detach().requires_grad_(True)
-            with torch.enable_grad():
-                s.y = self._call(s.anchor, s.x)
+            outer = self.rt.rng.get_state()
+            self.rt.rng.set_state(s.rng)  # same dropout masks as the forward
+            try:
+                with torch.enable_grad():
+                    s.y = self._call(s.anchor, s.x, a.mb)
+            finally:
+                self.rt.rng.set_state(outer)
         else:
             s.swap.flat = bwd
         s.bwd_flat = bwd

@@ -1,0 +1,203 @@
+"""`--pipeline-schedule weipipe-naive | weipipe-interleave | weipipe-zb` for pretrain().
+
+Ring = the pipeline-model-parallel group (P ranks). Each ring rank trains G =
+num_microbatches / P microbatches of its own per iteration through all P decoder
+chunks, the chunks' weights and gradients circulating (schedules/weipipe/runtime.py).
+After the iteration the owner's summed chunk gradient is copied into megatron-core
+DDP's main_grad, the replicated parameters' gradients are summed over the ring, and DDP
+finishes the data-parallel reduction, so megatron-core's optimizer (fp32 master,
+clipping, Adam) and checkpointing run unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call
+
+from megatron_weipipe.config import ConfigError, PretrainConfig
+from megatron_weipipe.schedules.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
+from megatron_weipipe.training.byte_counter import BYTE_COUNTER
+
+# Runtime flows -> the kinds the log line's sent/rank/iter shows.
+FLOW_KIND = {"fwd_weights": "weights", "bwd_weights": "weights", "placement": "weights", "grads": "gradients"}
+
+
+class MegatronRNG:
+    """torch's generators plus megatron-core's tensor-parallel tracker: what a
+    recomputed chunk forward must replay to draw the same dropout masks."""
+
+    def __init__(self):
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        from megatron_weipipe.schedules.weipipe.runtime import TorchRNG
+
+        self.torch_rng = TorchRNG()
+        self.tracker = get_cuda_rng_tracker()
+
+    def get_state(self):
+        return self.torch_rng.get_state(), dict(self.tracker.get_states())
+
+    def set_state(self, state) -> None:
+        torch_state, tracker_states = state
+        self.torch_rng.set_state(torch_state)
+        self.tracker.set_states(dict(tracker_states))
+
+
+class WeiPipeSchedule(TrainSchedule):
+    """Common part of the three WeiPipe schedules; subclasses only name their plan."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def check_config(cls, cfg: PretrainConfig) -> None:
+        p, flag = cfg.parallel, f"--pipeline-schedule {cls.name}"
+        P = p.pipeline_model_parallel_size
+        if P < 2:
+            raise ConfigError(f"{flag} needs --pipeline-model-parallel-size >= 2 (the size of the weight ring)")
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            raise ConfigError(f"{flag} does not take --num-layers-per-virtual-pipeline-stage (one chunk per ring rank)")
+        if p.context_parallel_size != 1:
+            raise ConfigError(f"{flag} needs --context-parallel-size 1 (WeiPipe with Ulysses/FPDT is not implemented)")
+        if cfg.num_microbatches % P != 0:
+            raise ConfigError(
+                f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "
+                f"data-parallel size) = {cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({P})"
+            )
+
+    def __init__(self, cfg: PretrainConfig, groups):
+        super().__init__(cfg, groups)
+        self.P = groups.pp_size
+        self.G = cfg.num_microbatches // self.P
+        self.runtime = None
+        self._last_bytes: Optional[dict] = None
+
+    # ------------------------------------------------------------------ model
+
+    def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel
+
+        from megatron_weipipe.model.gpt import compute_dtype
+        from megatron_weipipe.schedules.megatron_schedules import ddp_config
+        from megatron_weipipe.schedules.weipipe import generate, validate
+        from megatron_weipipe.schedules.weipipe.flat import FlatLayout
+        from megatron_weipipe.schedules.weipipe.runtime import WeiPipeRuntime
+
+        from .ring_model import DecoderChunk, make_ring_replicas, replicated_parameters
+        from .steps import GPTEnds
+
+        g = self.groups
+        model = model_provider(pre_process=True, post_process=True)
+        make_ring_replicas(model, g.pp_rank, g.pipeline, dist.get_global_rank(g.pipeline, 0))
+        # The owner's gradient is complete only when the schedule ends; DDP reduces it then.
+        conf = dataclasses.replace(ddp_config(self.cfg), overlap_grad_reduce=False)
+        self.model_chunks = [DistributedDataParallel(config=model.config, ddp_config=conf, module=model)]
+        self.model = model
+        self.template = DecoderChunk(model.decoder.layers, model.config.sequence_parallel)
+        self.layout = FlatLayout.from_module(self.template)
+        self.owned = dict(self.template.named_parameters())
+        self.replicated = [p for _, p in replicated_parameters(model)]
+        self.ends = GPTEnds(model, num_microbatches=self.G * self.P, cp_size=g.cp_size)
+        self.compute_dtype = compute_dtype(self.cfg)
+        schedule = generate(self.name, self.P, self.G)
+        validate(schedule)
+        self.runtime = WeiPipeRuntime(
+            schedule,
+            ring_group=g.pipeline,
+            chunk_template=self.template,
+            compute_dtype=self.compute_dtype,
+            grad_dtype=torch.bfloat16 if self.cfg.parallel.weipipe_grad_dtype == "bf16" else torch.float32,
+            recompute=self.cfg.model.recompute_granularity == "full",
+            comm_scope=lambda flow: BYTE_COUNTER.scope(FLOW_KIND[flow.value]),
+            rng=MegatronRNG(),
+        )
+        return self.model_chunks
+
+    def data_shard(self) -> tuple[int, int, int]:
+        """Ring rank r of replica d reads global microbatches (d*P + r) + k*DP*P: the
+        ring's G*P microbatches are the ones a PP=1 run reads in that iteration."""
+        g = self.groups
+        return g.dp_rank * self.P + g.pp_rank, g.dp_size * self.P, self.G
+
+    def _master(self) -> torch.Tensor:
+        """The owned chunk's current (post-step) weights, flat."""
+        return self.layout.flatten(self.template, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ step
+
+    def forward_backward(self, forward_step: ForwardStep, microbatches: list[dict],
+                         forward_only: bool = False) -> StepResult:
+        from .steps import prepare_microbatches
+
+        mbs = prepare_microbatches(forward_step, self.model, microbatches)
+        if forward_only:
+            self._forward_only(mbs)
+        else:
+            result = self.runtime.run_iteration(
+                self._master(), mbs, pre_fn=self.ends.pre_fn, post_fn=self.ends.post_fn,
+                chunk_kwargs=self.ends.chunk_kwargs,
+            )
+            self._last_bytes = result.bytes.as_dict()
+            self._finish_grads(result.main_grad)
+        return StepResult(losses=[mb.reported for mb in mbs], has_loss=True)
+
+    def _finish_grads(self, chunk_grad: torch.Tensor) -> None:
+        """Owner's gradient into DDP's buffer, replicas summed over the ring, then DP."""
+        with torch.no_grad():
+            for name, view in self.layout.views(chunk_grad).items():
+                self.owned[name].main_grad.copy_(view)
+            grads = [p.main_grad for p in self.replicated]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.groups.pipeline)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        ddp = self.model_chunks[0]
+        ddp.finish_grad_sync()
+        if self.model.config.sequence_parallel:
+            from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+            _allreduce_non_tensor_model_parallel_grads(self.model_chunks, self.model.config, self.groups.tensor)
+
+    @torch.no_grad()
+    def _forward_only(self, mbs) -> None:
+        """Evaluation: each owner broadcasts its chunk in turn; every rank runs its own
+        microbatches through it. One chunk resident at a time, no schedule needed."""
+        g = self.groups
+        hidden = [None] * len(mbs)
+        master = self._master().to(self.compute_dtype)
+        for c in range(self.P):
+            flat = master if g.pp_rank == c else torch.empty_like(master)
+            with BYTE_COUNTER.scope("weights"):
+                dist.broadcast(flat, src=dist.get_global_rank(g.pipeline, c), group=g.pipeline)
+            views = self.layout.views(flat)
+            for i, mb in enumerate(mbs):
+                x = self.ends.pre_fn(mb).to(self.compute_dtype) if c == 0 else hidden[i]
+                hidden[i] = functional_call(self.template, views, (x,), self.ends.chunk_kwargs(mb))
+        for i, mb in enumerate(mbs):
+            self.ends.post_fn(hidden[i], mb)
+
+    def bytes_moved(self) -> Optional[dict[str, int]]:
+        """Bytes the runtime sent in the last training iteration, by kind."""
+        if self._last_bytes is None:
+            return None
+        out: dict[str, int] = {}
+        for flow, n in self._last_bytes["sent"].items():
+            out[FLOW_KIND[flow]] = out.get(FLOW_KIND[flow], 0) + n
+        return out
+
+
+class WeiPipeNaive(WeiPipeSchedule):
+    name = "weipipe-naive"
+
+
+class WeiPipeInterleave(WeiPipeSchedule):
+    name = "weipipe-interleave"
+
+
+class WeiPipeZeroBubble(WeiPipeSchedule):
+    name = "weipipe-zb"
