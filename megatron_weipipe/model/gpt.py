@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_weipipe.config import PretrainConfig
 
-log = logging.getLogger(__name__)
-
 
 def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
+    import importlib.util
 
-        return torch.cuda.is_available()
-    except Exception:
-        return False
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def use_transformer_engine(cfg: PretrainConfig) -> bool:
@@ -197,7 +190,8 @@ def reinitialize_layout_invariant(model: torch.nn.Module, cfg: PretrainConfig) -
         gen = torch.Generator().manual_seed(_key_seed(cfg.training.seed, f"{sh.key}@{layer_coords}"))
         full = torch.empty(shape, dtype=torch.float32)
         full.normal_(0.0, scaled_std if kind == "scaled_normal" else std, generator=gen)
-        index = tuple(slice(o, o + size) for o, size in zip(offsets, sh.local_shape[n:] if len(sh.local_shape) > len(shape) else sh.local_shape))
+        local_shape = sh.local_shape[-len(shape):] if shape else ()
+        index = tuple(slice(o, o + size) for o, size in zip(offsets, local_shape))
         local.copy_(full[index].reshape(local.shape).to(local.dtype))
 
 
@@ -210,25 +204,3 @@ def _flatten(d, prefix=""):
             yield from _flatten(v, f"{prefix}{i}.")
     else:
         yield prefix[:-1], d
-
-
-def stage_layer_offset(cfg: PretrainConfig, pp_rank: int, vp_stage: Optional[int] = None) -> int:
-    """Global index of the first decoder layer held by (pp_rank, vp_stage)."""
-    pp = cfg.parallel.pipeline_model_parallel_size
-    vpp = cfg.parallel.virtual_pipeline_size(cfg.model.num_layers)
-    if vpp is None:
-        return pp_rank * (cfg.model.num_layers // pp)
-    per = cfg.model.num_layers // (pp * vpp)
-    return (vp_stage or 0) * pp * per + pp_rank * per
-
-
-def num_parameters(model_chunks) -> int:
-    return sum(p.numel() for m in model_chunks for p in m.parameters())
-
-
-def is_pipeline_first(vp_stage: Optional[int] = None) -> bool:
-    return parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-
-
-def is_pipeline_last(vp_stage: Optional[int] = None) -> bool:
-    return parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
