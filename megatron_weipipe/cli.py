@@ -1,10 +1,18 @@
-"""Process entry: parse, validate, train, and turn expected failures into one line + exit code."""
+"""Process entry: parse, validate, train, and turn failures into one line + exit code.
+
+Exit codes: 0 finished or stopped on request (SIGTERM, --exit-interval,
+--exit-duration-in-mins) with a checkpoint saved; 2 bad flags or inputs found before
+any process group exists; 1 any failure during the run (data, checkpoint, NaN, a peer
+rank). Expected failures print ``error: [rank R] <one line>`` once, from the rank that
+found them; anything unexpected also prints its traceback first.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import traceback
 
 EXIT_CONFIG = 2  # bad flags or inputs, found before training starts
 EXIT_FAILURE = 1  # a failure during the run (data, checkpoint, NaN, peer rank)
@@ -32,10 +40,14 @@ def run_main(argv, model_provider, forward_step) -> int:
     from megatron_weipipe.training.checkpointing import CheckpointError
     from megatron_weipipe.training.pretrain import NaNError, pretrain
 
+    expected = (CheckpointError, NaNError, ValueError, FileNotFoundError, KeyboardInterrupt)
     try:
         pretrain(cfg, model_provider, forward_step)
-    except (CheckpointError, NaNError, ValueError, FileNotFoundError) as e:
-        print(f"error: [rank {rank}] {_one_line(e)}", file=sys.stderr, flush=True)
+    except BaseException as e:
+        if not isinstance(e, expected):
+            traceback.print_exc()
+        if not getattr(e, "quiet", False):
+            print(f"error: [rank {rank}] {getattr(e, 'report', None) or _one_line(e)}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     finally:
         shutdown_distributed()

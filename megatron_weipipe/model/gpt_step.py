@@ -6,6 +6,8 @@ from functools import partial
 
 import torch
 
+from megatron_weipipe.training.faults import maybe_inject_nan
+
 
 def batch_to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
@@ -30,6 +32,7 @@ def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     losses = per_token_loss.float().view(-1)
     mask = loss_mask.float().view(-1)
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    loss = maybe_inject_nan(loss)  # test hook (MEGATRON_WEIPIPE_INJECT_NAN); a no-op otherwise
     return loss, {"lm loss": loss.detach().clone()}
 
 

@@ -2,15 +2,23 @@
 
 Layout, as in Megatron-LM: ``<dir>/iter_0000025/`` per checkpoint plus the tracker file
 ``<dir>/latest_checkpointed_iteration.txt``. A checkpoint becomes visible only when it
-is complete: every rank writes its shards, all ranks agree, and only then rank 0
-replaces the tracker atomically. A crash at any point of a save leaves the tracker on
-the previous checkpoint, which therefore stays loadable and is what ``--load`` picks.
+is complete: every rank writes its shards into ``iter_0000025.partial/``, all ranks
+agree, rank 0 renames the directory to ``iter_0000025`` and only then replaces the
+tracker atomically. A crash at any point of a save (SIGKILL included) leaves the tracker
+on the previous checkpoint, which therefore stays loadable and is what ``--load`` picks;
+the ``.partial`` directory it leaves behind is removed by the next save.
+
+Loading reads files as data only (see ``safe_load``) and checks every file first, on
+every rank, so a truncated or mismatched checkpoint fails with one line naming it
+before any rank enters a collective it could hang in.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import queue
 import random
 import shutil
 from dataclasses import dataclass
@@ -22,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.parallel import ParallelGroups
+from megatron_weipipe.training import faults, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,14 @@ def read_tracker(root: str) -> Optional[int]:
         raise CheckpointError(f"{path} is corrupt: expected an iteration number, found {text[:40]!r}")
 
 
+def _fsync_dir(path: str) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def _write_tracker_atomically(root: str, iteration: int) -> None:
     tmp = os.path.join(root, f".{TRACKER}.tmp.{os.getpid()}")
     with open(tmp, "w") as f:
@@ -72,20 +89,18 @@ def _write_tracker_atomically(root: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, TRACKER))
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(root)
 
 
 def _rng_state(groups: ParallelGroups):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
+        # Tensors and scalars only, so that it loads with torch.load(weights_only=True).
+        "np_rng_state": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "rng_tracker_states": get_cuda_rng_tracker().get_states(),
@@ -104,12 +119,19 @@ def _restore_rng(obj) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = obj[0] if isinstance(obj, list) else obj
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
+    random.setstate(_as_tuples(state["random_rng_state"]))
+    kind, keys, pos, has_gauss, cached = state["np_rng_state"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((kind, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     torch.set_rng_state(state["torch_rng_state"])
     if torch.cuda.is_available() and state["cuda_rng_state"] is not None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _as_tuples(x):
+    """random.setstate wants the tuples it produced (a round trip may turn them into lists)."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _layout(cfg: PretrainConfig) -> dict:
@@ -160,18 +182,24 @@ def save_checkpoint(
     consumed_valid_samples: int = 0,
     num_skipped_iterations: int = 0,
 ) -> str:
-    """Write ``iter_<N>`` on every rank, then publish it. Returns the checkpoint path."""
+    """Write ``iter_<N>.partial`` on every rank, then publish it as ``iter_<N>``. Returns the path."""
     from megatron.core import dist_checkpointing
 
     root = cfg.checkpoint.save
     path = checkpoint_dir(root, iteration)
+    partial = path + ".partial"
     rank = dist.get_rank()
+    if read_tracker(root) == iteration and os.path.isdir(path):
+        # Already published (e.g. a resumed run told to exit at once): never rewrite it in place.
+        return path
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        if os.path.isdir(path) and read_tracker(root) != iteration:
-            # Leftovers of a save that crashed before it was published.
+        for stale in [partial, *glob.glob(os.path.join(root, "iter_*.partial"))]:
+            if os.path.isdir(stale):  # left by a save that crashed before it was published
+                shutil.rmtree(stale)
+        if os.path.isdir(path):  # unpublished: newer than the tracker, from a crashed run
             shutil.rmtree(path)
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(partial)
     dist.barrier()
     state = _sharded_state(
         cfg, groups, model_chunks, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
@@ -185,12 +213,33 @@ def save_checkpoint(
             "model_shape": _model_shape(cfg),
         },
     )
-    dist_checkpointing.save(state, path)
+    _avoid_result_manager_process()
+    dist_checkpointing.save(state, partial)
+    faults.pause_inside_save(iteration)
     dist.barrier()
     if rank == 0:
+        os.replace(partial, path)
+        _fsync_dir(root)
         _write_tracker_atomically(root, iteration)
     dist.barrier()
     return path
+
+
+def _avoid_result_manager_process() -> None:
+    """Keep megatron-core's synchronous writer from starting a multiprocessing Manager.
+
+    Its torch_dist writer collects results through a queue that it creates, on first use,
+    with a ``spawn`` Manager: a server process that lives until interpreter exit and is
+    orphaned if the rank is killed. A synchronous save produces and consumes the results
+    in this process, so an in-process queue does the same job. (An asynchronous save would
+    need the Manager back; this package saves synchronously.)
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _model_shape(cfg: PretrainConfig) -> dict:
@@ -230,21 +279,48 @@ def find_checkpoint(cfg: PretrainConfig) -> Optional[str]:
     return path
 
 
+def _agree(error: Optional[str]) -> None:
+    """Raise the same CheckpointError on every rank if any rank found one; the first such rank prints it."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failing = [r for r, e in enumerate(errors) if e is not None]
+    if failing:
+        e = CheckpointError(errors[failing[0]])
+        e.quiet = dist.get_rank() != failing[0]
+        raise e
+
+
+def _check_before_loading(cfg: PretrainConfig, path: str) -> dict:
+    """Every file present, whole and plain data, and the model shape the same; returns common.pt."""
+    try:
+        safe_load.check_checkpoint_files(path)
+        common = safe_load.load_common(path)
+    except ValueError as e:
+        raise CheckpointError(f"--load: {e}") from None
+    saved_shape = common.get("model_shape")
+    if saved_shape is not None and saved_shape != _model_shape(cfg):
+        diff = ", ".join(
+            f"{k} {saved_shape.get(k)} in the checkpoint vs {v} requested"
+            for k, v in _model_shape(cfg).items() if saved_shape.get(k) != v
+        )
+        raise CheckpointError(f"--load {path}/common.pt: the checkpoint's model shape differs: {diff}")
+    return common
+
+
 def load_checkpoint(cfg: PretrainConfig, groups: ParallelGroups, model_chunks, optimizer, scheduler) -> LoadedState:
     """Restore model, optimizer, LR schedule, RNG and data position from ``--load``."""
     from megatron.core import dist_checkpointing
 
-    path = find_checkpoint(cfg)
+    error, path, common = None, None, {}
+    try:
+        path = find_checkpoint(cfg)
+        if path is not None:
+            common = _check_before_loading(cfg, path)
+    except CheckpointError as e:
+        error = str(e)
+    _agree(error)
     if path is None:
         return LoadedState()
-    try:
-        common = dist_checkpointing.load_common_state_dict(path)
-    except Exception as e:  # corrupt or truncated common file
-        raise CheckpointError(f"--load: cannot read {path}/common.pt ({type(e).__name__}: {e})") from e
-    saved_shape = common.get("model_shape")
-    if saved_shape is not None and saved_shape != _model_shape(cfg):
-        diff = {k: (saved_shape.get(k), v) for k, v in _model_shape(cfg).items() if saved_shape.get(k) != v}
-        raise CheckpointError(f"--load {path}: model shape differs from the checkpoint (saved, requested): {diff}")
     saved_layout = common.get("layout", {})
     same_rng_layout = all(
         saved_layout.get(k) == v
@@ -258,7 +334,8 @@ def load_checkpoint(cfg: PretrainConfig, groups: ParallelGroups, model_chunks, o
         cfg, groups, model_chunks, optimizer, scheduler, is_loading=True, with_optim=with_optim, with_rng=with_rng
     )
     try:
-        state = dist_checkpointing.load(sharded, path)
+        with safe_load.safe_byte_objects():
+            state = dist_checkpointing.load(sharded, path, common_strategy=safe_load.common_strategy())
     except Exception as e:
         raise CheckpointError(f"--load: cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):

@@ -20,6 +20,7 @@ from megatron_weipipe.initialize import initialize_distributed
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe.schedules.base import ForwardStep, TrainSchedule
 from megatron_weipipe.schedules.registry import get_schedule
+from megatron_weipipe.training import faults
 from megatron_weipipe.training.byte_counter import BYTE_COUNTER
 from megatron_weipipe.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_weipipe.training.metrics import (
@@ -29,6 +30,7 @@ from megatron_weipipe.training.metrics import (
     training_log_line,
 )
 from megatron_weipipe.training.optimizer import build_optimizer, build_scheduler
+from megatron_weipipe.training.watchdog import install_child_process_guards, start_watchdog
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,11 @@ def print_rank_0(msg: str) -> None:
 
 
 class _ExitSignal:
-    """Remembers a SIGTERM so the run can finish its iteration, save and exit cleanly."""
+    """Remembers a SIGTERM so the run can finish its iteration, save and exit cleanly.
+
+    Installed before anything slow, so a preemption notice that arrives during start-up
+    is honoured at the end of the first iteration instead of killing the rank.
+    """
 
     def __init__(self, enabled: bool):
         self.received = False
@@ -70,6 +76,7 @@ class _ExitSignal:
     def restore(self):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 def _reduce_iteration_flags(
@@ -158,9 +165,56 @@ def pretrain(
     stage; ``forward_step(data_iterator, model)`` is Megatron-LM's forward step.
     ``after_backward(iteration, schedule)``, if given, sees the reduced gradients of every
     iteration before the optimizer step (tests compare them across schedules).
+
+    An exception leaves with ``report`` (the line to print) and ``quiet`` (another rank
+    prints the same error) attributes; peers are told through the watchdog and exit.
     """
     start_time = time.time()
-    groups = initialize_distributed(cfg)
+    faults.configure()
+    exit_signal = _ExitSignal(cfg.training.exit_signal_handler)
+    install_child_process_guards()
+    watchdog = None
+    try:
+        groups = initialize_distributed(cfg)
+        watchdog = start_watchdog(cfg.parallel.distributed_timeout_minutes)
+        state = _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, after_backward,
+                          exit_signal, start_time)
+        if watchdog is not None:
+            watchdog.stop()
+            dist.barrier()  # no rank may take the store down while a peer's watchdog still polls it
+        return state
+    except BaseException as e:
+        _describe_failure(e, watchdog)
+        raise
+    finally:
+        exit_signal.restore()
+
+
+def _describe_failure(e: BaseException, watchdog) -> None:
+    """Publish the failure to the peers and attach the one line this rank should print."""
+    own = f"{type(e).__name__}: {_first_line(e)}"
+    if isinstance(e, (NaNError, ValueError, FileNotFoundError)) or type(e).__name__ == "CheckpointError":
+        own = _first_line(e)
+    if watchdog is None:
+        report = own
+    else:
+        line = watchdog.report_failure(e)
+        report = line if line.startswith("stopping:") else own
+    try:
+        e.report = report
+        if not hasattr(e, "quiet"):
+            e.quiet = False
+    except AttributeError:
+        pass
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, after_backward, exit_signal,
+              start_time) -> TrainState:
     t = cfg.training
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
@@ -176,6 +230,7 @@ def pretrain(
     scheduler = build_scheduler(cfg, optimizer)
 
     state = TrainState()
+    faults.set_phase("loading checkpoint")
     loaded = load_checkpoint(cfg, groups, model_chunks, optimizer, scheduler)
     state.iteration = loaded.iteration
     state.consumed_train_samples = loaded.consumed_train_samples
@@ -188,6 +243,7 @@ def pretrain(
     gbs = t.global_batch_size
     eval_runs = t.train_iters // t.eval_interval + 1
     num_samples = [t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
+    faults.set_phase("building datasets")
     train_ds, valid_ds, _ = datasets_provider(cfg.data, tokenizer, num_samples)
     data_rank, data_size, n_mb = schedule.data_shard()
     if train_ds is None and t.train_iters > 0 and not t.skip_train:
@@ -209,14 +265,15 @@ def pretrain(
     loaded.restore_rng()
     flops = model_flops_per_iteration(cfg, vocab)
     tb = TensorBoardWriter(cfg.logging.tensorboard_dir, dist.get_rank() == dist.get_world_size() - 1)
-    exit_signal = _ExitSignal(t.exit_signal_handler)
     print_rank_0(f"> setup done in {time.time() - start_time:.1f}s; training from iteration {state.iteration}")
 
     window_start, window_iters = time.time(), 0
     last_grad_norm = None
     try:
         while state.iteration < t.train_iters and not t.skip_train:
+            faults.set_phase("reading data", state.iteration + 1)
             microbatches = _microbatches(train_iter, n_mb)
+            faults.set_phase(faults.TRAIN_STEP, state.iteration + 1)
             BYTE_COUNTER.reset()
             schedule.zero_grad()
             optimizer.zero_grad()
@@ -231,6 +288,7 @@ def pretrain(
             total, count, bad, (sig, dur) = _reduce_iteration_flags(
                 groups, values, contributes, [float(exit_signal.received), float(timed_out and dist.get_rank() == 0)]
             )
+            faults.set_phase("optimizer step", state.iteration + 1)
             stepped, grad_norm = False, None
             if bad:
                 rank, mb = _first_bad_microbatch(values, contributes)
@@ -243,13 +301,13 @@ def pretrain(
                 elif t.skip_nan_steps:
                     print_rank_0(f"WARNING: {msg}: step skipped")
                 else:
-                    raise NaNError(msg)
+                    raise _nan_error(msg)
             if not bad or not t.check_for_nan_in_loss_and_grad:
                 stepped, grad_norm = _optimizer_step(optimizer, t.clip_grad)
                 if grad_norm is not None and not math.isfinite(grad_norm) and t.check_for_nan_in_loss_and_grad:
                     msg = f"NaN/Inf gradient norm at iteration {state.iteration + 1}"
                     if not t.skip_nan_steps:
-                        raise NaNError(msg)
+                        raise _nan_error(msg)
                     print_rank_0(f"WARNING: {msg}: step skipped")
             if stepped:
                 scheduler.step(increment=gbs)
@@ -292,6 +350,7 @@ def pretrain(
                 window_start, window_iters = time.time(), 0
 
             if valid_iter is not None and state.iteration % t.eval_interval == 0:
+                faults.set_phase("validation", state.iteration)
                 _run_validation(cfg, groups, schedule, forward_step, valid_iter, n_mb, state, tb)
 
             exit_now = None
@@ -307,17 +366,28 @@ def pretrain(
             )
             if save_now:
                 _save(cfg, groups, state, model_chunks, optimizer, scheduler)
+                window_start = time.time()  # keep the save out of the next throughput window
             if exit_now:
                 state.exit_reason = exit_now
-                print_rank_0(f"> exiting at iteration {state.iteration} ({exit_now})")
+                what = {"signal": "SIGTERM received", "duration": f"--exit-duration-in-mins {t.exit_duration_in_mins}",
+                        "interval": f"--exit-interval {t.exit_interval}"}[exit_now]
+                where = f"checkpoint in {cfg.checkpoint.save}" if cfg.checkpoint.save else "no --save, nothing saved"
+                print_rank_0(f"> exiting at iteration {state.iteration} ({exit_now}: {what}; {where})")
                 break
 
         if cfg.checkpoint.save and state.iteration > 0 and state.last_saved_iteration != state.iteration:
             _save(cfg, groups, state, model_chunks, optimizer, scheduler)
+        faults.set_phase("shutdown", state.iteration)
     finally:
-        exit_signal.restore()
         tb.close()
     return state
+
+
+def _nan_error(msg: str) -> NaNError:
+    """Every rank raises the same NaNError; rank 0 prints it."""
+    e = NaNError(msg)
+    e.quiet = dist.get_rank() != 0
+    return e
 
 
 def _run_validation(cfg, groups, schedule, forward_step, valid_iter, n_mb, state, tb) -> None:
@@ -335,6 +405,7 @@ def _run_validation(cfg, groups, schedule, forward_step, valid_iter, n_mb, state
 
 
 def _save(cfg, groups, state: TrainState, model_chunks, optimizer, scheduler) -> None:
+    faults.set_phase("checkpoint save", state.iteration)
     t0 = time.time()
     path = save_checkpoint(
         cfg,

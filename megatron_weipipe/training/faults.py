@@ -1,0 +1,111 @@
+"""What this rank is doing, and test hooks that make faults happen on purpose.
+
+The phase ("forward/backward at iteration 12", "checkpoint save", ...) is a plain
+module-level value the training loop updates; the watchdog publishes it so that a
+failure message can say what a rank was doing when it died, even after a SIGKILL.
+
+Fault injection is driven by environment variables read once per run (``configure``),
+so tests can break real processes started by torchrun without new command-line flags:
+
+- ``MEGATRON_WEIPIPE_INJECT_NAN="iteration:rank:microbatch"`` makes that microbatch's
+  loss NaN (and so its gradients), on that global rank, in that training iteration.
+  The microbatch index counts the loss computations of that rank in the iteration, so
+  it means the same under every schedule that computes its loss with ``gpt_step``.
+- ``MEGATRON_WEIPIPE_TEST_SLOW_SAVE="seconds"`` pauses every save after the shards are
+  written and before the checkpoint is published, so a test can kill a rank there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+NAN_ENV = "MEGATRON_WEIPIPE_INJECT_NAN"
+SLOW_SAVE_ENV = "MEGATRON_WEIPIPE_TEST_SLOW_SAVE"
+
+TRAIN_STEP = "forward/backward"
+
+
+@dataclass
+class _State:
+    phase: str = "start-up"
+    iteration: Optional[int] = None
+    losses_this_iteration: int = 0
+    nan_target: Optional[tuple[int, int, int]] = None
+    slow_save_seconds: float = 0.0
+    failing: bool = False  # this rank is already on its way out with its own error
+
+
+_state = _State()
+
+
+def set_phase(phase: str, iteration: Optional[int] = None) -> None:
+    """Record what this rank does now; a new iteration restarts the microbatch count."""
+    if iteration != _state.iteration:
+        _state.losses_this_iteration = 0
+    _state.phase = phase
+    _state.iteration = iteration
+
+
+def describe_phase() -> str:
+    if _state.iteration is None:
+        return _state.phase
+    return f"{_state.phase} at iteration {_state.iteration}"
+
+
+def mark_failing() -> None:
+    _state.failing = True
+
+
+def is_failing() -> bool:
+    return _state.failing
+
+
+def _parse_nan_target(text: str) -> tuple[int, int, int]:
+    try:
+        it, rank, mb = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{NAN_ENV}={text!r}: expected 'iteration:rank:microbatch', e.g. '3:1:0'") from None
+    return it, rank, mb
+
+
+def configure(environ=os.environ) -> None:
+    """Read the fault-injection variables (once per run) and reset the phase."""
+    text = environ.get(NAN_ENV, "").strip()
+    _state.nan_target = _parse_nan_target(text) if text else None
+    _state.slow_save_seconds = float(environ.get(SLOW_SAVE_ENV, "0") or 0)
+    _state.phase, _state.iteration, _state.losses_this_iteration = "start-up", None, 0
+    _state.failing = False
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def maybe_inject_nan(loss: torch.Tensor) -> torch.Tensor:
+    """Count this loss computation; return a NaN loss if it is the injected one.
+
+    Multiplying (not adding) keeps the NaN in the backward pass, as a real overflow would.
+    """
+    if _state.phase != TRAIN_STEP:
+        return loss
+    index = _state.losses_this_iteration
+    _state.losses_this_iteration += 1
+    target = _state.nan_target
+    if target is None or (_state.iteration, _global_rank(), index) != target:
+        return loss
+    return loss * torch.tensor(float("nan"), dtype=loss.dtype, device=loss.device)
+
+
+def pause_inside_save(iteration: int) -> None:
+    """Test hook: stay inside an unpublished save long enough to be killed there."""
+    if _state.slow_save_seconds > 0:
+        print(f"  [test hook] rank {_global_rank()} pausing {_state.slow_save_seconds:g}s inside the save "
+              f"of iteration {iteration}", flush=True)
+        time.sleep(_state.slow_save_seconds)

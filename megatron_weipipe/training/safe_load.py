@@ -1,0 +1,156 @@
+"""Read checkpoints as data: nothing in a checkpoint directory can run code on load.
+
+megatron-core's torch_dist format stores three pickled things, and the stock readers
+would execute whatever a tampered file asks for:
+
+- ``.metadata``: torch.distributed.checkpoint reads it with plain ``pickle.load``. We
+  unpickle it first with an allow-list of the checkpoint metadata classes (dataclasses
+  and enums of torch.distributed.checkpoint, torch.Size, dtypes and layouts); anything
+  else is refused before the stock reader sees the file.
+- ``common.pt``: loaded here with ``torch.load(weights_only=True)`` whatever the
+  torch version's default or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD say.
+- byte objects inside ``.distcp`` files (our RNG state): torch's planner loads them with
+  ``weights_only=False``; our planner uses ``weights_only=True``. The RNG state is
+  saved as tensors and Python scalars only, so it needs no extra allowed globals.
+
+The same pass checks every shard file against the sizes the metadata promises, so a
+truncated shard fails with one line naming the file instead of deep inside a reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import io
+import json
+import os
+import pickle
+from collections import OrderedDict
+
+import torch
+
+_METADATA = ".metadata"
+_COMMON = "common.pt"
+_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.filesystem",
+)
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file asks to import something that is not plain data."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module in _MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        elif module == "torch" and name == "Size":
+            return torch.Size
+        elif module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        elif (module, name) == ("torch.serialization", "_get_layout"):
+            return super().find_class(module, name)
+        elif (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        elif module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f"refuses to import {module}.{name}")
+
+
+def read_metadata(checkpoint_dir: str):
+    """The torch.distributed.checkpoint Metadata of ``checkpoint_dir``, read without running code."""
+    path = os.path.join(checkpoint_dir, _METADATA)
+    with open(path, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def check_checkpoint_files(checkpoint_dir: str) -> None:
+    """Raise ValueError naming the first missing, truncated or unsafe file of a torch_dist checkpoint."""
+    info = os.path.join(checkpoint_dir, "metadata.json")
+    try:
+        with open(info) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{info} is unreadable ({type(e).__name__}: {e})") from None
+    if backend != "torch_dist":
+        raise ValueError(f"{info} names sharded backend {backend!r}; only torch_dist checkpoints are read")
+    path = os.path.join(checkpoint_dir, _METADATA)
+    try:
+        metadata = read_metadata(checkpoint_dir)
+    except UnsafeCheckpointError as e:
+        raise ValueError(f"{path} is not plain checkpoint metadata: the unpickler {e}") from None
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing") from None
+    except Exception as e:  # truncated or garbled pickle
+        raise ValueError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from None
+    needed: dict[str, int] = {}
+    for storage in (getattr(metadata, "storage_data", None) or {}).values():
+        name = storage.relative_path
+        needed[name] = max(needed.get(name, 0), storage.offset + storage.length)
+    for name, size in sorted(needed.items()):
+        shard = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(shard):
+            raise ValueError(f"checkpoint shard {shard} is missing")
+        have = os.path.getsize(shard)
+        if have < size:
+            raise ValueError(f"checkpoint shard {shard} is truncated: {have} bytes, its metadata needs {size}")
+    common = os.path.join(checkpoint_dir, _COMMON)
+    if not os.path.isfile(common):
+        raise ValueError(f"{common} is missing")
+
+
+def load_common(checkpoint_dir: str) -> dict:
+    """``common.pt`` as plain data (tensors, numbers, strings, containers)."""
+    path = os.path.join(checkpoint_dir, _COMMON)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} is unreadable, truncated or not plain data ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})") from None
+
+
+def common_strategy():
+    """megatron-core's torch common-state reader, loading with weights_only=True."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class _SafeCommonLoad(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return load_common(str(checkpoint_dir))
+
+        def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+            raise NotImplementedError("torch_dist keeps sharded objects inside its .distcp files")
+
+    return _SafeCommonLoad()
+
+
+def _safe_planner_class():
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _SafeMCoreLoadPlanner(MCoreLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _SafeMCoreLoadPlanner
+
+
+@contextlib.contextmanager
+def safe_byte_objects():
+    """While loading, megatron-core's torch_dist reader builds our planner instead of its own."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    original = mcore_torch.MCoreLoadPlanner
+    mcore_torch.MCoreLoadPlanner = _safe_planner_class()
+    try:
+        yield
+    finally:
+        mcore_torch.MCoreLoadPlanner = original
