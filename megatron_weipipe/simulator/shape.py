@@ -92,19 +92,22 @@ class ModelShape:
     def norm_params(self) -> int:
         return self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
 
-    def layer_params(self) -> int:
-        """One TransformerLayer of the local spec (norms, qkv, proj, fc1, fc2, biases)."""
+    def layer_params(self, tp: int = 1) -> int:
+        """One TransformerLayer of the local spec (norms, qkv, proj, fc1, fc2, biases) on one
+        tensor-parallel rank: column-parallel weights and biases split, row-parallel biases
+        and norms replicated."""
         h, f = self.hidden_size, self.ffn
         fc1_out = f * (2 if self.swiglu else 1)
         bias = self.add_bias_linear
-        qkv = self.qkv_width * h + (self.qkv_width if (bias or self.add_qkv_bias) else 0)
-        proj = h * self.attn_width + (h if bias else 0)
-        fc1 = fc1_out * h + (fc1_out if bias else 0)
-        fc2 = h * f + (h if bias else 0)
+        qkv = (self.qkv_width * h + (self.qkv_width if (bias or self.add_qkv_bias) else 0)) // tp
+        proj = h * self.attn_width // tp + (h if bias else 0)
+        fc1 = (fc1_out * h + (fc1_out if bias else 0)) // tp
+        fc2 = h * f // tp + (h if bias else 0)
         return 2 * self.norm_params() + qkv + proj + fc1 + fc2
 
     def word_embedding_params(self, tp: int = 1) -> int:
-        return self.padded_vocab(tp) * self.hidden_size
+        """This TP rank's shard of the (padded) word embedding."""
+        return self.padded_vocab(tp) * self.hidden_size // tp
 
     def position_embedding_params(self) -> int:
         if self.position_embedding_type != "learned_absolute":

@@ -1,0 +1,298 @@
+"""Measure this host: time real megatron-core layers of the run's shape, in one process.
+
+What is timed is what the runtimes execute per microbatch:
+- a decoder chunk of k layers called as modules (Megatron's 1F1B stages) and through
+  flat weight views with torch.func.functional_call (WeiPipe's runtime): forward, full
+  backward, input-gradient pass and the weight-gradient pass that follows it;
+- the embedding, and the final norm + output layer + loss (forward and backward);
+- megatron-core's optimizer step (gradient norm, clipping, Adam) per parameter.
+Times are medians of repeats after a warm-up, single-threaded (torchrun starts each rank
+with OMP_NUM_THREADS=1). Processes are measured elsewhere (hostprobe.py).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from .shape import ModelShape
+
+
+@dataclass(frozen=True)
+class ChunkTimes:
+    """Seconds per microbatch for one chunk of `layers` decoder layers."""
+
+    layers: int
+    forward: float
+    backward: float  # input and weight gradients in one pass
+    backward_input: float  # input gradient only (graph kept)
+    backward_weight: float  # weight gradient pass after backward_input
+
+
+@dataclass(frozen=True)
+class HostCalibration:
+    shape: ModelShape
+    module: ChunkTimes
+    flat: ChunkTimes
+    embed_forward: float
+    embed_backward: float
+    head_forward: float
+    head_backward: float
+    optimizer_per_param: float  # seconds per parameter for norm + clip + Adam step + zeroing
+    repeats: int
+    spread: dict = field(default_factory=dict)  # name -> (max - min) / median over repeats
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HostCalibration":
+        d = json.loads(text)
+        d["shape"] = ModelShape(**d["shape"])
+        d["module"] = ChunkTimes(**d["module"])
+        d["flat"] = ChunkTimes(**d["flat"])
+        return cls(**d)
+
+
+def pretrain_config_for(shape: ModelShape, num_layers: int):
+    """A PretrainConfig of this shape on one CPU process (fp32, dropout off)."""
+    from megatron_weipipe.config import ModelConfig, PretrainConfig, TrainingConfig
+
+    model = ModelConfig(
+        num_layers=num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+        ffn_hidden_size=shape.ffn_hidden_size, num_query_groups=shape.num_query_groups,
+        group_query_attention=shape.num_query_groups is not None, kv_channels=shape.kv_channels,
+        seq_length=shape.seq_length, max_position_embeddings=shape.max_position_embeddings,
+        position_embedding_type=shape.position_embedding_type, normalization=shape.normalization,
+        swiglu=shape.swiglu, untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
+        add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        make_vocab_size_divisible_by=shape.make_vocab_size_divisible_by, transformer_impl="local",
+    )
+    training = TrainingConfig(micro_batch_size=shape.micro_batch_size, global_batch_size=shape.micro_batch_size)
+    return PretrainConfig(model=model, training=training, world_size=1)
+
+
+class single_process_megatron:
+    """Context: a one-rank gloo group and megatron-core's parallel state, torn down after
+    (only what it set up itself)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.owned = False
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        from megatron_weipipe.initialize import initialize_distributed
+
+        self.owned = not dist.is_initialized()
+        initialize_distributed(self.cfg)
+        return self
+
+    def __exit__(self, *exc):
+        from megatron.core import parallel_state
+
+        from megatron_weipipe.initialize import shutdown_distributed
+
+        if self.owned:
+            shutdown_distributed()
+        elif parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        return False
+
+
+def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, threads: int = 1,
+              time_optimizer: bool = True) -> HostCalibration:
+    """Time one microbatch of `shape` through a chunk of `layers_per_chunk` layers and the ends."""
+    import torch
+
+    from megatron_weipipe.model.gpt import build_gpt_model
+    from megatron_weipipe.schedules.weipipe.flat import FlatLayout
+
+    torch.set_num_threads(threads)
+    shape.validate()
+    k = layers_per_chunk
+    cfg = pretrain_config_for(shape, k)
+    with single_process_megatron(cfg):
+        vocab = shape.padded_vocab()
+        model = build_gpt_model(cfg, vocab, pre_process=True, post_process=True)
+        b, s, h = shape.micro_batch_size, shape.seq_length, shape.hidden_size
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, shape.vocab_size, (b, s), generator=gen)
+        labels = torch.randint(0, shape.vocab_size, (b, s), generator=gen)
+        positions = torch.arange(s).unsqueeze(0).expand(b, s)
+        rotary = model.rotary_pos_emb(s) if shape.position_embedding_type == "rope" else None
+        stack = _stack(list(model.decoder.layers), rotary)
+        layout = FlatLayout.from_module(stack)
+        x0 = torch.randn(s, b, h, generator=gen)
+        dy = torch.randn(s, b, h, generator=gen)
+        probes = {
+            "embed": _embedding_probe(model, tokens, positions),
+            "module": _chunk_probe(lambda x, ws: stack(x), lambda: list(stack.parameters()), x0, dy),
+            "flat": _chunk_probe(
+                lambda x, ws: torch.func.functional_call(stack, layout.views(ws[0]), (x,)),
+                lambda: [layout.flatten(stack).requires_grad_(True)], x0, dy),
+            "head": _head_probe(model, x0, labels),
+        }
+        if time_optimizer:
+            probes["optimizer"], n_params = _optimizer_probe(cfg, model)
+        samples = _rounds(probes, repeats)
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    spread = {key: round((max(v) - min(v)) / med[key], 3) if med[key] else 0.0 for key, v in samples.items()}
+
+    def chunk(name: str) -> ChunkTimes:
+        return ChunkTimes(k, med[f"{name}.forward"], med[f"{name}.backward"], med[f"{name}.backward_input"],
+                          med[f"{name}.backward_weight"])
+
+    return HostCalibration(
+        shape=shape, module=chunk("module"), flat=chunk("flat"), embed_forward=med["embed.forward"],
+        embed_backward=med["embed.backward"], head_forward=med["head.forward"],
+        head_backward=med["head.backward"], repeats=repeats, spread=spread,
+        optimizer_per_param=med["optimizer.step"] / n_params if time_optimizer else 0.0,
+    )
+
+
+def _rounds(probes: dict, repeats: int) -> dict[str, list[float]]:
+    """One warm-up, then `repeats` rounds of every probe in turn, so that a drift in the
+    machine's load (it is shared) hits every quantity alike."""
+    for probe in probes.values():
+        probe()
+    out: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for name, probe in probes.items():
+            for key, t in probe().items():
+                out.setdefault(f"{name}.{key}", []).append(t)
+    return out
+
+
+def _clock(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _embedding_probe(model, tokens, positions):
+    import torch
+
+    def probe() -> dict:
+        out = {}
+        box = {}
+        out["forward"] = _clock(lambda: box.setdefault("y", model.embedding(input_ids=tokens, position_ids=positions)))
+        y = box["y"]
+        out["backward"] = _clock(lambda: y.backward(torch.ones_like(y)))
+        return out
+
+    return probe
+
+
+def _chunk_probe(run, weights, x0, dy):
+    """Forward; full backward; then again with an input-only pass and the weight pass after it."""
+    import torch
+
+    def probe() -> dict:
+        out, box = {}, {}
+        fwd = []
+        for split in (False, True):
+            x = x0.detach().requires_grad_(True)
+            ws = weights()
+            fwd.append(_clock(lambda: box.__setitem__("y", run(x, ws))))
+            y = box["y"]
+            if split:
+                out["backward_input"] = _clock(lambda: torch.autograd.grad(y, [x], dy, retain_graph=True))
+                out["backward_weight"] = _clock(lambda: torch.autograd.grad(y, ws, dy))
+            else:
+                out["backward"] = _clock(lambda: torch.autograd.grad(y, [x] + ws, dy))
+        out["forward"] = min(fwd)
+        return out
+
+    return probe
+
+
+def _head_probe(model, x0, labels):
+    def probe() -> dict:
+        box = {}
+        xin = x0.detach().requires_grad_(True)
+        f = _clock(lambda: box.__setitem__("loss", _head_loss(model, xin, labels)))
+        return {"forward": f, "backward": _clock(lambda: box["loss"].backward())}
+
+    return probe
+
+
+def _stack(layers, rotary):
+    """k TransformerLayers called in turn: WeiPipe's DecoderChunk without the RNG fork."""
+    import torch
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(layers)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary)
+            return x
+
+    return Stack()
+
+
+def _head_loss(model, hidden, labels):
+    from megatron.core.utils import make_viewless_tensor
+
+    norm = model.decoder.final_layernorm
+    if norm is not None:
+        hidden = make_viewless_tensor(inp=norm(hidden), requires_grad=True, keep_graph=True)
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=None)
+    return model.compute_language_model_loss(labels, logits).float().mean()
+
+
+def _optimizer_probe(cfg, model):
+    """megatron-core's optimizer after a backward: DDP's grad sync, norm, clip, Adam step,
+    zeroing the buffers (what pretrain() runs once per iteration)."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    from megatron_weipipe.schedules.megatron_schedules import ddp_config
+    from megatron_weipipe.training.optimizer import build_optimizer
+
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config(cfg), module=model)
+    optimizer = build_optimizer(cfg, [ddp])
+    params = list(model.parameters())
+
+    def refill():
+        with torch.no_grad():
+            for p in params:
+                p.main_grad.normal_(0, 1e-3)
+
+    def step():
+        ddp.finish_grad_sync()
+        optimizer.prepare_grads()
+        norm = optimizer.get_grad_norm()
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if opt.get_parameters():
+                clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=1.0, total_norm=norm)
+        optimizer.step_with_ready_grads()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+
+    def probe() -> dict:
+        refill()
+        return {"step": _clock(step)}
+
+    return probe, sum(p.numel() for p in params)
+
+
+def load(path: str) -> HostCalibration:
+    with open(path) as f:
+        return HostCalibration.from_json(f.read())
+
+
+def save(cal: HostCalibration, path: Optional[str]) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(cal.to_json())

@@ -1,0 +1,104 @@
+"""FPDT (chunked Ulysses attention with host offload): chunk count, memory, overlap.
+
+Per rank and layer, with S tokens, P context-parallel ranks, chunk C (global tokens
+after the all-to-all) and u = S/C chunks (shared/design/FPDT.md):
+- forward, chunk i against chunks j <= i: u(u+1)/2 blocks of C x C for a/P heads; with
+  offload each block fetches k_j, v_j (C tokens x g/P KV heads) from host memory while
+  the previous block computes (double buffering);
+- backward streams q, o, lse, do and dq of each query chunk through the inner loop;
+- on the device: two chunks of q/k/v/o/lse in flight, the fp32 accumulators of one KV
+  chunk (dk, dv), the MLP's 4h-wide intermediate and the logits of one chunk, and the
+  layer's full-sequence hidden states (S/P tokens);
+- on the host: q, k, v, o, lse of every chunk of the layer being computed, dq
+  accumulators, and (when activation checkpoints are offloaded, as the paper runs it)
+  every layer's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import require
+from .hardware import Cluster, GiB
+from .shape import ModelShape
+
+
+@dataclass(frozen=True)
+class FPDTSpec:
+    chunk_size: int  # C, global tokens
+    offload: bool = False
+    offload_checkpoints: bool = False  # layer inputs kept in host memory (the paper's setting)
+
+    def num_chunks(self, seq_length: int) -> int:
+        return max(1, seq_length // self.chunk_size)
+
+    def validate(self, shape: ModelShape, cp: int) -> "FPDTSpec":
+        require(self.chunk_size > 0, "--fpdt-chunk-size must be positive")
+        require(self.chunk_size <= shape.seq_length,
+                f"--fpdt-chunk-size ({self.chunk_size}) must not exceed --seq-length ({shape.seq_length})")
+        require(shape.seq_length % self.chunk_size == 0,
+                f"--seq-length ({shape.seq_length}) must be a multiple of --fpdt-chunk-size ({self.chunk_size})")
+        require(self.chunk_size % cp == 0,
+                f"--fpdt-chunk-size ({self.chunk_size}) must be divisible by --context-parallel-size ({cp})")
+        return self
+
+
+@dataclass(frozen=True)
+class FPDTReport:
+    chunks: int
+    device_chunk_bytes: float  # attention chunk buffers + MLP and loss chunk intermediates, one layer
+    device_hidden_bytes: float  # full-sequence hidden states of the layer being computed
+    checkpoint_bytes: float  # every layer's input (device, or host when offloaded)
+    host_bytes_per_rank: float
+    block_compute_s: float  # one C x C attention block, forward
+    block_fetch_s: float  # k, v of one chunk from host memory
+    backward_block_compute_s: float
+    backward_block_fetch_s: float  # q, o, lse, do, dq of one chunk, both ways
+    exposed_s_per_layer: float  # fetch time not hidden behind compute, forward + backward
+
+    @property
+    def prefetch_hidden(self) -> bool:
+        return self.block_fetch_s <= self.block_compute_s and self.backward_block_fetch_s <= self.backward_block_compute_s
+
+
+def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp: int = 1,
+            dtype_bytes: int = 2) -> FPDTReport:
+    u = spec.num_chunks(shape.seq_length)
+    b, h, d = shape.micro_batch_size, shape.hidden_size, shape.head_dim
+    a, g = shape.num_attention_heads / tp / cp, shape.groups / tp / cp  # heads per rank after the all-to-all
+    C, e = spec.chunk_size, dtype_bytes
+    local = shape.seq_length / cp  # tokens per rank before the all-to-all
+    chunk_local = C / cp
+    # device: two chunks of q, k, v, o (+ fp32 lse), fp32 dk/dv accumulators of one KV chunk
+    attn_chunk = 2 * C * b * (2 * a + 2 * g) * d * e + 2 * C * b * a * 4 + 2 * C * b * g * d * 4
+    ffn = shape.ffn * (2 if shape.swiglu else 1) / tp
+    mlp_chunk = chunk_local * b * (ffn + shape.ffn / tp) * e * 2  # intermediate and its gradient
+    loss_chunk = 2 * chunk_local * b * shape.padded_vocab(tp) / tp * 4
+    qkv_chunk = chunk_local * b * shape.qkv_width / tp * e * 2  # projection output before / after all-to-all
+    device_chunk = attn_chunk + mlp_chunk + loss_chunk + qkv_chunk
+    # full-sequence hidden states alive in a layer's forward/backward: input, attention
+    # output, residual, norm output, and two gradients
+    device_hidden = 6 * local * b * h * e
+    checkpoints = shape.num_layers * local * b * h * e
+    host_attn = shape.seq_length * b * (2 * a + 2 * g) * d * e + shape.seq_length * b * a * 4 if spec.offload else 0.0
+    host_dq = shape.seq_length * b * a * d * 4 if spec.offload else 0.0
+    host = host_attn + host_dq + (checkpoints if spec.offload_checkpoints else 0.0)
+    rate = cluster.device.attention_rate
+    bw = cluster.host_link.bandwidth_gbs * 1e9
+    block_flops = 4.0 * C * C * a * d * b
+    block_compute = block_flops / rate
+    block_fetch = 2 * C * b * g * d * e / bw if spec.offload else 0.0
+    bwd_compute = 2.5 * block_compute
+    bwd_fetch = (C * b * a * d * e * 3 + C * b * a * 4 + C * b * a * d * 4 * 2) / bw if spec.offload else 0.0
+    blocks = u * (u + 1) / 2
+    exposed = blocks * (max(0.0, block_fetch - block_compute) + max(0.0, bwd_fetch - bwd_compute))
+    return FPDTReport(
+        chunks=u, device_chunk_bytes=device_chunk, device_hidden_bytes=device_hidden,
+        checkpoint_bytes=checkpoints, host_bytes_per_rank=host, block_compute_s=block_compute,
+        block_fetch_s=block_fetch, backward_block_compute_s=bwd_compute, backward_block_fetch_s=bwd_fetch,
+        exposed_s_per_layer=exposed,
+    )
+
+
+def fmt_gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB"

@@ -1,0 +1,191 @@
+"""Memory per rank: model state, activations in flight, circulating weight buffers.
+
+Activations are counted tensor by tensor from what one TransformerLayer saves for its
+backward, for two attention implementations: "unfused" (megatron-core's local spec, the
+CPU path: the s x s probabilities are stored) and "flash" (Transformer Engine / flash
+attention on GPUs: only a log-sum-exp per query). How many (microbatch, chunk) pairs a
+rank holds at once, and how many chunk-sized weight / gradient buffers a WeiPipe rank
+has alive (including irecvs posted ahead and isends not yet reaped), is read off the
+schedule's own action lists, walked with the runtime's rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_weipipe.schedules.weipipe.actions import Flow, Kind, Schedule
+
+from .shape import ModelShape
+
+
+@dataclass(frozen=True)
+class ActivationOptions:
+    impl: str = "flash"  # "flash" (GPU) or "unfused" (megatron-core local spec, CPU)
+    dtype_bytes: int = 2
+    dropout: bool = True
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+
+
+def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+    """Bytes one layer saves for its backward, one microbatch, one rank."""
+    b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
+    a, g, d = shape.num_attention_heads, shape.groups, shape.head_dim
+    e, tp = o.dtype_bytes, o.tp
+    sb = s * b
+    unfused = o.impl == "unfused"
+    rope = shape.position_embedding_type == "rope"
+    mask = e if unfused else 1  # dropout masks: float on the CPU path, bool on GPUs
+    # replicated over TP unless sequence parallel: layer input, norm outputs, residual
+    per_token = 4 * h * e
+    per_token += (2 if shape.normalization == "LayerNorm" else 1) * 2 * 4  # norm statistics, fp32
+    if unfused and shape.normalization == "RMSNorm":
+        per_token += 2 * h * e  # the unfused RMSNorm keeps its normalised input too
+    if o.dropout:
+        per_token += 2 * h * mask
+    replicated = sb * per_token / (tp if o.sequence_parallel else 1)
+    # split over TP: attention inputs/outputs, MLP intermediates
+    split_tok = a * d * e  # attention output (projection input)
+    if unfused:
+        qkv = 0.0 if (rope and g < a) else shape.qkv_width
+        if rope:
+            qkv += a * d + (g * d if g == a else 0)  # rotated q (and k)
+        if g < a:
+            qkv += 2 * a * d  # k, v expanded to every head before the matmuls
+        split_tok += qkv * e
+    else:
+        split_tok += shape.qkv_width * e
+    f = shape.ffn
+    if shape.swiglu:
+        split_tok += (5 if unfused else 3) * f * e
+    else:
+        split_tok += 2 * f * e
+    split = sb * split_tok / tp
+    heads = a / tp  # with Ulysses each rank holds a/cp heads over the whole sequence
+    full_s = shape.seq_length
+    if unfused:
+        attn = b * heads / o.cp * full_s * full_s * (e + (2 * e if o.dropout else 0))
+    else:
+        attn = b * heads / o.cp * full_s * 4  # log-sum-exp
+    rope_tables = 4 * s * d * e if (rope and unfused) else 0.0
+    return replicated + split + attn + rope_tables
+
+
+def layer_input_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+    """What full recomputation keeps per layer (or per chunk, for WeiPipe's runtime): its input."""
+    tokens = shape.tokens / o.cp / (o.tp if o.sequence_parallel else 1)
+    return tokens * shape.hidden_size * o.dtype_bytes
+
+
+def logits_bytes(shape: ModelShape, tp: int = 1, cp: int = 1) -> float:
+    """fp32 logits and their gradient at the loss, transient on the rank that computes it."""
+    return 2.0 * shape.tokens / cp * shape.padded_vocab(tp) / tp * 4
+
+
+# ---------------------------------------------------------------- read off the lists
+
+def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, the most (microbatch, chunk) forwards whose backward has not finished."""
+    out = []
+    for acts in schedule.ranks:
+        live, peak = set(), 0
+        split = any(a.kind is Kind.BACKWARD_WEIGHT for a in acts)
+        for a in acts:
+            if a.kind is Kind.FORWARD:
+                live.add((a.mb, a.chunk))
+                peak = max(peak, len(live))
+            elif a.kind is Kind.BACKWARD or (split and a.kind is Kind.BACKWARD_WEIGHT):
+                live.discard((a.mb, a.chunk))
+        out.append(peak)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BufferPeak:
+    weights: int  # chunk-sized tensors in the compute dtype
+    grads: int  # chunk-sized tensors in the gradient dtype
+
+
+def peak_buffers(schedule: Schedule, lookahead: int = 1) -> tuple[BufferPeak, ...]:
+    """Per rank, the most chunk-sized tensors WeiPipeRuntime holds at once: buffers,
+    irecvs posted `lookahead` ticks ahead, and isends kept until the next tick starts."""
+    out = []
+    for acts in schedule.ranks:
+        recvs = sorted((a.tick, i) for i, a in enumerate(acts) if a.kind is Kind.RECV)
+        cursor, tick = 0, None
+        held = {"w": 0, "g": 0}
+        sending: list[str] = []
+        peak = (0, 0)
+        best = -1
+
+        def kind_of(flow: Optional[Flow]) -> str:
+            return "g" if flow is Flow.GRADS else "w"
+
+        def note():
+            nonlocal peak, best
+            w = held["w"] + sum(1 for k in sending if k == "w")
+            g = held["g"] + sum(1 for k in sending if k == "g")
+            total = w + 2 * g  # rank by bytes with fp32 gradients as the common case
+            if total > best:
+                best, peak = total, (w, g)
+
+        for a in acts:
+            if a.tick != tick:
+                tick = a.tick
+                sending.clear()
+                while cursor < len(recvs) and recvs[cursor][0] <= tick + lookahead:
+                    held[kind_of(acts[recvs[cursor][1]].flow)] += 1
+                    cursor += 1
+            if a.kind is Kind.LOAD:
+                held["w"] += 1
+            elif a.kind is Kind.GRAD_INIT:
+                held["g"] += 1
+            elif a.kind is Kind.SEND:
+                k = kind_of(a.flow)
+                held[k] -= 1
+                sending.append(k)
+            elif a.kind is Kind.DROP:
+                held["w"] -= 1
+            elif a.kind is Kind.ACCUMULATE_GRAD:
+                held["g"] -= 1
+            note()
+        out.append(BufferPeak(*peak))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- model state
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of the model state."""
+
+    param: int = 2  # compute-dtype weights the model runs on
+    grad: int = 4  # megatron-core DDP keeps fp32 main grads
+    optimizer: int = 12  # fp32 master + Adam moments (0 extra master when params are fp32)
+    optimizer_shards: int = 1  # distributed optimizer: sharded over data x context parallel ranks
+    param_shards: int = 1  # ZeRO-3 style: weights and grads sharded too
+
+    def per_param(self) -> float:
+        return (self.param + self.grad) / self.param_shards + self.optimizer / self.optimizer_shards
+
+
+def state_bytes_for(compute_bytes: int) -> StateBytes:
+    """Megatron mixed precision (bf16 weights, fp32 master + Adam) or plain fp32 (CPU)."""
+    if compute_bytes >= 4:
+        return StateBytes(param=4, grad=4, optimizer=8)  # the fp32 weights are the master
+    return StateBytes(param=compute_bytes, grad=4, optimizer=12)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    params: int  # parameters held by this rank (model state counts these)
+    model_state: float
+    activations: float
+    buffers: float  # WeiPipe circulating weights/gradients, runtime flat copies
+    transient: float  # the largest short-lived allocation (logits, one recomputed chunk)
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations + self.buffers + self.transient

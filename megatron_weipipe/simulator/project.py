@@ -1,0 +1,330 @@
+"""One schedule, one run configuration: replay, collectives, optimizer, memory, bytes.
+
+The pipeline part is the event replay of the schedule's action lists (events.py) for
+one pipeline / WeiPipe ring; data-parallel replicas and tensor-parallel peers run the
+same lists, so their work shows up as collectives only. After the lists, what
+pretrain() runs per iteration follows, in order:
+- Megatron schedules: DDP's gradient all-reduce over data x context ranks, the
+  all-reduce of the tied word-embedding gradient between the first and the last stage;
+- WeiPipe schedules (schedules/weipipe_train): the ring all-reduce of the replicated
+  embedding / final norm / output layer gradients, then DDP's data-parallel all-reduce;
+- then the iteration's flag all-reduce (a barrier), the gradient norm and the
+  optimizer step of every rank's own parameters (the slowest rank sets the pace).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_weipipe.schedules.timeline import megatron_timeline
+from megatron_weipipe.schedules.weipipe.actions import Action, Flow, Kind, Schedule
+from megatron_weipipe.schedules.weipipe.generate import SCHEDULES as WEIPIPE_SCHEDULES
+from megatron_weipipe.schedules.weipipe.generate import generate
+
+from . import collectives, memory
+from .costs import CostModel
+from .errors import SimulatorError, require
+from .events import EventModel, Trace, replay
+from .fpdt import FPDTReport, FPDTSpec, analyse
+from .hardware import Cluster
+from .layout import Layout
+from .shape import ModelShape
+
+MEGATRON = ("none", "1f1b", "interleaved")
+SCHEDULE_NAMES = MEGATRON + WEIPIPE_SCHEDULES
+FLAGS_BYTES = 40  # pretrain's per-iteration all-reduce: loss sum, count, bad count, 2 exit flags (fp64)
+NORM_BYTES = 4  # megatron-core's gradient-norm all-reduce (one fp32)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    shape: ModelShape
+    layout: Layout
+    global_batch_size: int
+    schedule: str
+    virtual_stages: int = 2  # interleaved: model chunks per rank
+    recompute: bool = False  # full activation recomputation
+    compute_bytes: int = 2  # bf16 weights and activations (4 for the fp32 CPU runs)
+    weipipe_grad_bytes: int = 4  # the gradient flow (--weipipe-grad-dtype)
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    attention_impl: str = "flash"
+    dropout: bool = True
+    fpdt: Optional[FPDTSpec] = None
+    lookahead: int = 1
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.shape.micro_batch_size * self.layout.dp)
+
+    @property
+    def is_weipipe(self) -> bool:
+        return self.schedule in WEIPIPE_SCHEDULES
+
+    @property
+    def stages(self) -> int:
+        """Model chunks in the pipeline (P, or P x V for interleaved)."""
+        return self.layout.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
+
+    @property
+    def layers_per_chunk(self) -> int:
+        return self.shape.num_layers // self.stages
+
+    def validate(self) -> "RunSpec":
+        s, lay = self.shape.validate(), self.layout.validate()
+        P, L = lay.pp, s.num_layers
+        require(self.schedule in SCHEDULE_NAMES,
+                f"--schedules: {self.schedule!r} is unknown; choose from {', '.join(SCHEDULE_NAMES)}")
+        require(self.global_batch_size > 0, "--global-batch-size must be positive")
+        require(self.global_batch_size % (s.micro_batch_size * lay.dp) == 0,
+                f"--global-batch-size ({self.global_batch_size}) must be divisible by --micro-batch-size x "
+                f"data-parallel size ({s.micro_batch_size} x {lay.dp})")
+        require(L % P == 0, f"--num-layers ({L}) must be divisible by --pipeline-model-parallel-size ({P})")
+        require(s.num_attention_heads % lay.tp == 0 and s.groups % lay.tp == 0,
+                f"attention heads ({s.num_attention_heads}) and query groups ({s.groups}) must be divisible by "
+                f"--tensor-model-parallel-size ({lay.tp})")
+        if lay.cp > 1:
+            require(s.num_attention_heads % (lay.cp * lay.tp) == 0 and s.groups % (lay.cp * lay.tp) == 0,
+                    f"heads ({s.num_attention_heads}) and query groups ({s.groups}) must be divisible by context x "
+                    f"tensor parallel size ({lay.cp} x {lay.tp}) for Ulysses attention")
+            require(s.seq_length % lay.cp == 0,
+                    f"--seq-length ({s.seq_length}) must be divisible by --context-parallel-size ({lay.cp})")
+        if self.schedule == "none":
+            require(P == 1, "schedule none needs --pipeline-model-parallel-size 1")
+        elif P == 1:
+            raise SimulatorError(f"schedule {self.schedule} needs --pipeline-model-parallel-size >= 2")
+        if self.schedule == "interleaved":
+            V = self.virtual_stages
+            require(V >= 2 and L % (P * V) == 0,
+                    f"interleaved needs --num-layers ({L}) divisible by pipeline size x virtual stages ({P} x {V})")
+            require(self.num_microbatches % P == 0,
+                    f"interleaved needs the microbatches per replica ({self.num_microbatches}) to be a multiple of "
+                    f"--pipeline-model-parallel-size ({P})")
+        if self.is_weipipe:
+            require(self.num_microbatches % P == 0,
+                    f"{self.schedule} needs the microbatches per replica ({self.num_microbatches}) to be a multiple "
+                    f"of --pipeline-model-parallel-size ({P})")
+        if self.fpdt is not None:
+            self.fpdt.validate(s, lay.cp)
+        return self
+
+    def build_schedule(self) -> Schedule:
+        P, N = self.layout.pp, self.num_microbatches
+        if self.is_weipipe:
+            return generate(self.schedule, P, N // P)
+        if self.schedule == "interleaved":
+            return megatron_timeline("interleaved", P, N, self.virtual_stages)
+        return megatron_timeline("1f1b", P, N)
+
+    # ------------------------------------------------------------ sizes
+    def chunk_params(self) -> int:
+        return self.layers_per_chunk * self.shape.layer_params(self.layout.tp)
+
+    def replicated_params(self) -> int:
+        """WeiPipe: embedding, final norm and output layer, on every ring rank."""
+        s, tp = self.shape, self.layout.tp
+        out = s.embedding_params(tp) + s.norm_params()
+        return out + (s.word_embedding_params(tp) if s.untie_embeddings_and_output_weights else 0)
+
+    def rank_params(self, r: int) -> int:
+        """Parameters ring rank / pipeline rank r holds (one TP shard)."""
+        s, tp, P = self.shape, self.layout.tp, self.layout.pp
+        if self.is_weipipe:
+            return self.chunk_params() + self.replicated_params()
+        chunks = self.stages // P
+        out = chunks * self.chunk_params()
+        if r == 0:
+            out += s.embedding_params(tp)
+        if r == P - 1:
+            out += s.head_params(tp)
+        return out
+
+    def activation_message_bytes(self) -> int:
+        s, lay = self.shape, self.layout
+        tokens = s.tokens // lay.cp // (lay.tp if self.sequence_parallel else 1)
+        return tokens * s.hidden_size * self.compute_bytes
+
+    def message_bytes(self, a: Action) -> int:
+        if a.flow in (Flow.ACTIVATIONS, Flow.ACTIVATION_GRADS):
+            return self.activation_message_bytes()
+        per = self.weipipe_grad_bytes if a.flow is Flow.GRADS else self.compute_bytes
+        return self.chunk_params() * per
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    spec: RunSpec
+    iteration_s: float
+    pipeline_s: float  # the replayed lists, slowest rank
+    tokens_per_s: float
+    mfu: Optional[float]  # None without a device peak (CPU hosts)
+    bubble: float
+    bytes_per_link: tuple[dict[str, float], ...]  # per ring rank: p2p + collective wire bytes per link
+    counter: tuple[dict[str, int], ...]  # per ring rank: what the run's byte counter logs, by kind
+    memory: tuple[memory.RankMemory, ...]
+    trace: Trace
+    phases: dict = field(default_factory=dict)
+    fpdt: Optional[FPDTReport] = None
+
+    @property
+    def peak_memory(self) -> float:
+        return max(m.total for m in self.memory)
+
+
+def _ring(spec: RunSpec) -> list[int]:
+    return spec.layout.pipeline_ranks()
+
+
+def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleResult:
+    spec.validate()
+    cluster.validate()
+    schedule = spec.build_schedule()
+    ring = _ring(spec)
+    P, lay, s = spec.layout.pp, spec.layout, spec.shape
+    fp = None
+    if spec.fpdt is not None:
+        fp = analyse(s, spec.fpdt, cluster, cp=lay.cp, tp=lay.tp, dtype_bytes=spec.compute_bytes)
+    model = EventModel(
+        duration=costs.duration(schedule),
+        message_bytes=spec.message_bytes,
+        link=lambda a, b: cluster.link(ring[a], ring[b]),
+        semantics="blocking" if spec.schedule in ("1f1b", "none") else "async",
+        lookahead=spec.lookahead,
+        host_of=(lambda r: cluster.node(ring[r])) if cluster.cores_per_node else None,
+        cores_per_host=cluster.cores_per_node,
+    )
+    trace = replay(schedule, model)
+    end = list(trace.finish)
+    wire: list[dict[str, float]] = [dict(d) for d in trace.bytes_sent()]
+    phases: dict[str, float] = {}
+
+    def add_wire(r: int, group: list[int], nbytes: float) -> None:
+        if len(group) > 1:
+            g = group.index(ring[r]) if ring[r] in group else 0
+            link = cluster.link(group[g], group[(g + 1) % len(group)]).name
+            wire[r][link] = wire[r].get(link, 0.0) + nbytes
+
+    # gradient reductions after the lists
+    if spec.is_weipipe:
+        rep = spec.replicated_params() * 4
+        ar = collectives.all_reduce(rep, P, cluster.slowest_link(ring))
+        t = max(end) + ar.seconds
+        end = [t] * P
+        phases["ring all-reduce of replicated grads"] = ar.seconds
+        for r in range(P):
+            add_wire(r, ring, ar.wire_bytes)
+    elif P > 1 and not s.untie_embeddings_and_output_weights:
+        emb = collectives.all_reduce(s.word_embedding_params(lay.tp) * 4, 2, cluster.link(ring[0], ring[-1]))
+        t = max(end[0], end[-1]) + emb.seconds
+        end[0] = end[-1] = t
+        phases["embedding all-reduce (first, last stage)"] = emb.seconds
+        for r in (0, P - 1):
+            add_wire(r, [ring[0], ring[-1]], emb.wire_bytes)
+    dp_group_size = lay.dp * lay.cp
+    dp_costs = []
+    for r in range(P):
+        group = lay.data_cp_ranks(pp=r)
+        link = cluster.slowest_link(group)
+        nbytes = spec.rank_params(r) * 4
+        c = (collectives.reduce_scatter(nbytes, dp_group_size, link) if spec.distributed_optimizer
+             else collectives.all_reduce(nbytes, dp_group_size, link))
+        dp_costs.append(c.seconds)
+        end[r] += c.seconds
+        add_wire(r, group, c.wire_bytes)
+    phases["data-parallel gradient reduction (slowest rank)"] = max(dp_costs)
+    barrier = max(end)
+    shards = dp_group_size if spec.distributed_optimizer else 1
+    opt = max(spec.rank_params(r) / shards * costs.optimizer_per_param for r in range(P))
+    phases["optimizer step (slowest rank)"] = opt
+    gather = 0.0
+    if spec.distributed_optimizer and dp_group_size > 1:
+        for r in range(P):
+            group = lay.data_cp_ranks(pp=r)
+            c = collectives.all_gather(spec.rank_params(r) * spec.compute_bytes, dp_group_size,
+                                       cluster.slowest_link(group))
+            gather = max(gather, c.seconds)
+            add_wire(r, group, c.wire_bytes)
+        phases["parameter all-gather (distributed optimizer)"] = gather
+    iteration = barrier + opt + gather
+    pipeline = trace.makespan
+    tokens = spec.global_batch_size * s.seq_length
+    flops = s.model_flops_per_microbatch() * spec.num_microbatches * lay.dp
+    peak = cluster.device.peak_tflops * 1e12 if cluster.device.peak_tflops else None
+    mfu = flops / (iteration * lay.world * peak) if peak else None
+    return ScheduleResult(
+        spec=spec, iteration_s=iteration, pipeline_s=pipeline, tokens_per_s=tokens / iteration, mfu=mfu,
+        bubble=trace.bubble_fraction, bytes_per_link=tuple(wire), counter=counter_bytes(spec, schedule),
+        memory=rank_memory(spec, schedule, fp), trace=trace, phases=phases, fpdt=fp,
+    )
+
+
+def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ...]:
+    """Per ring rank (data-parallel rank 0, TP rank 0): bytes the run's BYTE_COUNTER
+    records as sent in one training iteration, by the kinds the log line shows.
+    Collectives count their payload, including calls on groups of one rank."""
+    s, lay, P = spec.shape, spec.layout, spec.layout.pp
+    ce = 3 * s.tokens // lay.cp * 4  # vocab-parallel cross entropy: three fp32 [s, b] all-reduces
+    out = []
+    for r, acts in enumerate(schedule.ranks):
+        row: dict[str, int] = {}
+        for a in acts:
+            if a.kind is not Kind.SEND:
+                continue
+            if a.flow in (Flow.ACTIVATIONS, Flow.ACTIVATION_GRADS):
+                kind = "activations"
+            else:
+                kind = "gradients" if a.flow is Flow.GRADS else "weights"
+            row[kind] = row.get(kind, 0) + spec.message_bytes(a)
+        coll = spec.rank_params(r) * 4 + FLAGS_BYTES + NORM_BYTES
+        if spec.is_weipipe:
+            coll += spec.replicated_params() * 4 + ce * schedule.microbatches
+        else:
+            if P > 1 and (r == 0 or r == P - 1) and not s.untie_embeddings_and_output_weights:
+                coll += s.word_embedding_params(lay.tp) * 4
+            if r == P - 1:
+                coll += ce * spec.num_microbatches
+        row["collectives"] = coll
+        out.append(row)
+    return tuple(out)
+
+
+def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> tuple[memory.RankMemory, ...]:
+    s, lay = spec.shape, spec.layout
+    state = memory.state_bytes_for(spec.compute_bytes)
+    if spec.distributed_optimizer:
+        state = memory.StateBytes(state.param, state.grad, state.optimizer, optimizer_shards=lay.dp * lay.cp)
+    act_opts = memory.ActivationOptions(impl=spec.attention_impl, dtype_bytes=spec.compute_bytes,
+                                        dropout=spec.dropout, tp=lay.tp, cp=lay.cp,
+                                        sequence_parallel=spec.sequence_parallel)
+    k = spec.layers_per_chunk
+    per_layer = memory.layer_activation_bytes(s, act_opts)
+    per_input = memory.layer_input_bytes(s, act_opts)
+    in_flight = memory.peak_in_flight(schedule)
+    buffers = memory.peak_buffers(schedule, spec.lookahead) if spec.is_weipipe else None
+    chunk = spec.chunk_params()
+    logits = memory.logits_bytes(s, lay.tp, lay.cp)
+    out = []
+    for r in range(lay.pp):
+        params = spec.rank_params(r)
+        model_state = params * state.per_param()
+        if fp is not None:
+            acts = fp.device_hidden_bytes + (0.0 if spec.fpdt.offload_checkpoints else fp.checkpoint_bytes)
+            transient = fp.device_chunk_bytes
+        elif spec.recompute:
+            units = k if not spec.is_weipipe else 1  # Megatron keeps each layer's input, the runtime each chunk's
+            acts = in_flight[r] * units * per_input
+            transient = k * per_layer
+        else:
+            acts = in_flight[r] * k * per_layer
+            transient = 0.0
+        if spec.is_weipipe or r == lay.pp - 1:
+            transient += logits / (spec.fpdt.num_chunks(s.seq_length) if fp is not None else 1)
+        buf = 0.0
+        if buffers is not None:
+            b = buffers[r]
+            buf = chunk * (b.weights * spec.compute_bytes + b.grads * spec.weipipe_grad_bytes)
+            buf += chunk * 4 * 2  # the runtime's flat fp32 master copy and summed chunk gradient
+        out.append(memory.RankMemory(params=params, model_state=model_state, activations=acts, buffers=buf,
+                                     transient=transient))
+    return tuple(out)
