@@ -44,10 +44,11 @@ def run_main(argv, model_provider, forward_step) -> int:
     try:
         pretrain(cfg, model_provider, forward_step)
     except BaseException as e:
-        if not isinstance(e, expected):
+        report = getattr(e, "report", None) or _one_line(e)
+        if not isinstance(e, expected) and not report.startswith("stopping:"):  # not explained by a peer
             traceback.print_exc()
         if not getattr(e, "quiet", False):
-            print(f"error: [rank {rank}] {getattr(e, 'report', None) or _one_line(e)}", file=sys.stderr, flush=True)
+            print(f"error: [rank {rank}] {report}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     finally:
         shutdown_distributed()

@@ -11,8 +11,11 @@ so tests can break real processes started by torchrun without new command-line f
   loss NaN (and so its gradients), on that global rank, in that training iteration.
   The microbatch index counts the loss computations of that rank in the iteration, so
   it means the same under every schedule that computes its loss with ``gpt_step``.
-- ``MEGATRON_WEIPIPE_TEST_SLOW_SAVE="seconds"`` pauses every save after the shards are
-  written and before the checkpoint is published, so a test can kill a rank there.
+- ``MEGATRON_WEIPIPE_TEST_SLOW_SAVE="seconds[:iteration]"`` pauses the save (of that
+  iteration, or every save) after the shards are written and before the checkpoint is
+  published, so a test can kill a rank there.
+- ``MEGATRON_WEIPIPE_TEST_RAISE="iteration:rank"`` raises a RuntimeError on that rank at
+  the start of that iteration's forward/backward (a rank failing alone).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 NAN_ENV = "MEGATRON_WEIPIPE_INJECT_NAN"
 SLOW_SAVE_ENV = "MEGATRON_WEIPIPE_TEST_SLOW_SAVE"
+RAISE_ENV = "MEGATRON_WEIPIPE_TEST_RAISE"
 
 TRAIN_STEP = "forward/backward"
 
@@ -37,6 +41,8 @@ class _State:
     losses_this_iteration: int = 0
     nan_target: Optional[tuple[int, int, int]] = None
     slow_save_seconds: float = 0.0
+    slow_save_iteration: Optional[int] = None
+    raise_at: Optional[tuple[int, int]] = None
     failing: bool = False  # this rank is already on its way out with its own error
 
 
@@ -49,6 +55,8 @@ def set_phase(phase: str, iteration: Optional[int] = None) -> None:
         _state.losses_this_iteration = 0
     _state.phase = phase
     _state.iteration = iteration
+    if phase == TRAIN_STEP and _state.raise_at is not None and _state.raise_at == (iteration, _global_rank()):
+        raise RuntimeError(f"injected failure ({RAISE_ENV}) at iteration {iteration}")
 
 
 def describe_phase() -> str:
@@ -77,7 +85,14 @@ def configure(environ=os.environ) -> None:
     """Read the fault-injection variables (once per run) and reset the phase."""
     text = environ.get(NAN_ENV, "").strip()
     _state.nan_target = _parse_nan_target(text) if text else None
-    _state.slow_save_seconds = float(environ.get(SLOW_SAVE_ENV, "0") or 0)
+    seconds, _, at = environ.get(SLOW_SAVE_ENV, "").partition(":")
+    _state.slow_save_seconds = float(seconds or 0)
+    _state.slow_save_iteration = int(at) if at else None
+    text = environ.get(RAISE_ENV, "").strip()
+    try:
+        _state.raise_at = tuple(int(x) for x in text.split(":")) if text else None
+    except ValueError:
+        raise ValueError(f"{RAISE_ENV}={text!r}: expected 'iteration:rank'") from None
     _state.phase, _state.iteration, _state.losses_this_iteration = "start-up", None, 0
     _state.failing = False
 
@@ -105,7 +120,7 @@ def maybe_inject_nan(loss: torch.Tensor) -> torch.Tensor:
 
 def pause_inside_save(iteration: int) -> None:
     """Test hook: stay inside an unpublished save long enough to be killed there."""
-    if _state.slow_save_seconds > 0:
+    if _state.slow_save_seconds > 0 and _state.slow_save_iteration in (None, iteration):
         print(f"  [test hook] rank {_global_rank()} pausing {_state.slow_save_seconds:g}s inside the save "
               f"of iteration {iteration}", flush=True)
         time.sleep(_state.slow_save_seconds)

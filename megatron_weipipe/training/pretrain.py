@@ -82,9 +82,9 @@ class _ExitSignal:
 def _reduce_iteration_flags(
     groups: ParallelGroups, loss_values: list[float], contributes: bool, flags: list[float]
 ) -> tuple[float, float, int, list[float]]:
-    """One all-reduce per iteration: loss sum, count, bad-loss count and exit flags."""
+    """One all-reduce per iteration: sum and count of the finite losses, bad-loss count, exit flags."""
     total = sum(v for v in loss_values if math.isfinite(v)) if contributes else 0.0
-    count = float(len(loss_values)) if contributes else 0.0
+    count = float(sum(1 for v in loss_values if math.isfinite(v))) if contributes else 0.0
     bad = float(sum(1 for v in loss_values if not math.isfinite(v))) if contributes else 0.0
     vec = torch.tensor([total, count, bad, *flags], dtype=torch.float64)
     dist.all_reduce(vec)
@@ -192,7 +192,7 @@ def pretrain(
 
 def _describe_failure(e: BaseException, watchdog) -> None:
     """Publish the failure to the peers and attach the one line this rank should print."""
-    own = f"{type(e).__name__}: {_first_line(e)}"
+    own = f"failed during {faults.describe_phase()}: {type(e).__name__}: {_first_line(e)}"
     if isinstance(e, (NaNError, ValueError, FileNotFoundError)) or type(e).__name__ == "CheckpointError":
         own = _first_line(e)
     if watchdog is None:
@@ -339,7 +339,7 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
                     global_batch_size=gbs,
                     losses={"lm loss": loss},
                     loss_scale=float(optimizer.get_loss_scale().item()),
-                    grad_norm=last_grad_norm,
+                    grad_norm=grad_norm if stepped else None,  # none for a skipped step
                     skipped=state.skipped_iterations,
                     nan_iterations=state.nan_iterations,
                     mem_gb=mem,

@@ -113,8 +113,9 @@ class Watchdog:
     """One rank's failure detector; see the module docstring."""
 
     def __init__(self, store, rank: int, world_size: int, store_owner: str,
-                 interval: float = 1.0, heartbeat_timeout: float = 30.0):
+                 interval: float = 1.0, heartbeat_timeout: float = 30.0, hosts_store: bool = False):
         self.store = store
+        self.hosts_store = hosts_store  # this process serves the store: linger so peers read the failure
         self.rank = rank
         self.world_size = world_size
         self.store_owner = store_owner
@@ -198,6 +199,7 @@ class Watchdog:
         faults.mark_failing()
         first = self._safe(lambda: self._publish(self.rank, message))
         self.stop()
+        self._linger()
         if first is None or first[0] == self.rank:
             return f"rank {self.rank} failed: {message}"
         return f"stopping: rank {first[0]} failed: {first[1]}"
@@ -231,10 +233,15 @@ class Watchdog:
         return "; ".join(parts) + f"; the others in {common}"
 
     # --- the thread ---------------------------------------------------------------------
+    def _linger(self) -> None:
+        if self.hosts_store:
+            time.sleep(2 * self.interval + 0.5)
+
     def _terminate(self, message: str) -> None:
         print(f"error: [rank {self.rank}] {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         kill_children()
+        self._linger()
         os._exit(EXIT_PEER_FAILED)
 
     def _publish_phase(self) -> None:
@@ -250,7 +257,7 @@ class Watchdog:
                 self._store_errors = 0
             except Exception as e:  # the store (rank 0 or the launcher) is unreachable
                 self._store_errors += 1
-                if self._store_errors >= 3 and not self._stop.is_set():
+                if self._store_errors >= 2 and not self._stop.is_set():
                     self._terminate(f"lost the rendezvous store hosted by {self.store_owner} "
                                     f"({type(e).__name__}: {_one_line(e)}); it has exited or hangs")
 
@@ -282,7 +289,7 @@ class Watchdog:
         host, pid = self._neighbour_info
         phase = self._get_if_set(f"phase/{nb}") or "an unknown phase"
         if host == self._host and not _alive(pid):
-            return f"process {pid} on {host} died during {phase} (found by rank {self.rank})"
+            return f"process {pid} on {host} died (its last heartbeat: {phase}; found by rank {self.rank})"
         beats = self._add(f"beat/{nb}", 0)
         now = time.monotonic()
         if beats != self._neighbour_beats:
@@ -290,8 +297,8 @@ class Watchdog:
             return None
         silent = now - self._neighbour_seen
         if silent > self.heartbeat_timeout and not phase.startswith(_NO_HEARTBEAT_VERDICT):
-            return (f"process {pid} on {host} stopped responding {silent:.0f}s ago during {phase} "
-                    f"(no heartbeat; found by rank {self.rank})")
+            return (f"process {pid} on {host} stopped responding: no heartbeat for {silent:.0f}s "
+                    f"(its last heartbeat: {phase}; found by rank {self.rank})")
         return None
 
 
@@ -326,17 +333,15 @@ def _store_client(timeout_s: float):
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"{_PREFIX}/{run}/{restart}/{_generation}"
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        owner = "the torchrun agent"
-    else:
-        owner = "rank 0"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    owner = "the torchrun agent" if agent_store else "rank 0"
     if addr and port:
         base = dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                              wait_for_workers=False)
         owner += f" at {addr}:{port}"
     else:
         base = dist.distributed_c10d._get_default_store()
-    return dist.PrefixStore(prefix, base), owner
+    return dist.PrefixStore(prefix, base), owner, not agent_store and dist.get_rank() == 0
 
 
 def start_watchdog(distributed_timeout_minutes: float) -> Optional[Watchdog]:
@@ -348,5 +353,5 @@ def start_watchdog(distributed_timeout_minutes: float) -> Optional[Watchdog]:
     interval = float(os.environ.get("MEGATRON_WEIPIPE_WATCHDOG_INTERVAL", "1"))
     timeout = float(os.environ.get("MEGATRON_WEIPIPE_HEARTBEAT_TIMEOUT", "30"))
     timeout = min(timeout, distributed_timeout_minutes * 60)
-    store, owner = _store_client(timeout_s=max(10.0, 3 * interval))
-    return Watchdog(store, dist.get_rank(), dist.get_world_size(), owner, interval, timeout).start()
+    store, owner, hosts_store = _store_client(timeout_s=max(10.0, 3 * interval))
+    return Watchdog(store, dist.get_rank(), dist.get_world_size(), owner, interval, timeout, hosts_store).start()
