@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--calibration", default=None, help="JSON file: read if it exists, else written by --calibrate")
     cal.add_argument("--host-cores", type=float, default=None,
                      help="CPU cores the ranks of a node share (default: one device per rank)")
+    cal.add_argument("--measure-host", action="store_true",
+                     help="with --calibrate: measure the cores P rank processes get and gloo's send/recv speed here")
     out = p.add_argument_group("output")
     out.add_argument("--plot", default=None, help="PNG timeline of every schedule")
     out.add_argument("--json", default=None, help="write results as JSON")
@@ -121,6 +123,8 @@ def config_from_args(args):
                       host_link=link_preset(args.host_link, HOST_LINKS, "--host-link"),
                       host_memory_gb=args.host_memory_gb,
                       cores_per_node=args.host_cores).validate()
+    if args.calibrate or args.calibration:
+        cluster = host_cluster(args, layout.world)
     if args.schedules:
         names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     else:
@@ -145,6 +149,26 @@ def config_from_args(args):
     return shape, layout, cluster, specs
 
 
+def host_cluster(args, world: int):
+    """This machine as the cluster: every rank on one host, gloo between them."""
+    from .hardware import CPU_HOST, LINKS, Cluster
+
+    link, cores = LINKS["loopback"], args.host_cores
+    if args.measure_host:
+        from .hostprobe import gloo_link, parallel_capacity
+
+        link = gloo_link()
+        if cores is None and world > 1:
+            cores = parallel_capacity(world)
+        print(f"host: {world} ranks share {cores if cores else world:.2f} effective cores; gloo "
+              f"{link.bandwidth_gbs:.2f} GB/s, {link.latency_us:.0f} us per message")
+    return Cluster(device=CPU_HOST, intra=link, inter=link, gpus_per_node=max(world, 1),
+                   cores_per_node=cores).validate()
+
+
+_CALIBRATIONS: dict = {}
+
+
 def costs_for(args, spec, cluster):
     """FLOP-based costs from the device preset, or this host's calibration."""
     import os
@@ -153,12 +177,14 @@ def costs_for(args, spec, cluster):
     from .costs import FlopOptions, from_calibration, from_flops
 
     if args.calibrate or args.calibration:
-        if args.calibration and os.path.exists(args.calibration) and not args.calibrate:
-            c = cal.load(args.calibration)
-        else:
-            c = cal.calibrate(spec.shape, spec.layers_per_chunk)
-            cal.save(c, args.calibration)
-        return from_calibration(c, spec.layers_per_chunk, recompute=spec.recompute)
+        key = (spec.shape, spec.layers_per_chunk)
+        if key not in _CALIBRATIONS:
+            if args.calibration and os.path.exists(args.calibration) and not args.calibrate:
+                _CALIBRATIONS[key] = cal.load(args.calibration)
+            else:
+                _CALIBRATIONS[key] = cal.calibrate(spec.shape, spec.layers_per_chunk)
+                cal.save(_CALIBRATIONS[key], args.calibration)
+        return from_calibration(_CALIBRATIONS[key], spec.layers_per_chunk, recompute=spec.recompute)
     lay = spec.layout
     fp_extra = 0.0
     o = FlopOptions(tp=lay.tp, cp=lay.cp, tp_link=cluster.link(0, 0),
@@ -175,6 +201,9 @@ def costs_for(args, spec, cluster):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .report import format_results
 
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core's TE/apex fallback notices
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -66,8 +66,11 @@ class Trace:
 
     @property
     def bubble_fraction(self) -> float:
-        total = self.makespan * len(self.work)
-        return 0.0 if total <= 0 else 1.0 - sum(self.work) / total
+        """Share of rank-time in which no compute runs (compute slowed down by sharing a
+        host's cores counts as busy)."""
+        total = self.makespan * len(self.per_rank)
+        busy = sum(t.end - t.start for timed in self.per_rank for t in timed if t.action.kind in COMPUTE_KINDS)
+        return 0.0 if total <= 0 else 1.0 - busy / total
 
     def times_of(self, kind: Kind) -> dict[int, list[float]]:
         out: dict[int, list[float]] = defaultdict(list)

@@ -53,6 +53,9 @@ DEVICES: dict[str, DeviceSpec] = {
     "h200": DeviceSpec("h200", 989.0, 0.60, 0.45, 4800.0, 141.0),
 }
 
+# A CPU host under --calibrate: costs are measured there; these figures only fill the record.
+CPU_HOST = DeviceSpec("cpu-host", 0.1, 1.0, 1.0, 20.0, 16.0)
+
 
 @dataclass(frozen=True)
 class LinkSpec:
@@ -133,7 +136,7 @@ class Cluster:
         self.inter.validate()
         self.host_link.validate()
         require(self.gpus_per_node >= 1, "--gpus-per-node must be at least 1")
-        require(self.cores_per_node is None or self.cores_per_node >= 1, "cores per node must be at least 1")
+        require(self.cores_per_node is None or self.cores_per_node > 0, "--host-cores must be positive")
         return self
 
     def node(self, rank: int) -> int:

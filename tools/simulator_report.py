@@ -1,0 +1,53 @@
+#!/usr/bin/env python
+"""Regenerate the tables of docs/simulator.md.
+
+    python tools/simulator_report.py cpu --rounds 3 --records /tmp/simulator_cpu.jsonl   # ~1 h, real runs
+    python tools/simulator_report.py cpu-table --records /tmp/simulator_cpu.jsonl        # table only
+    python tools/simulator_report.py weipipe-paper                                       # seconds
+    python tools/simulator_report.py fpdt-paper                                          # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron_weipipe.simulator import paper, validation
+    from megatron_weipipe.simulator.errors import SimulatorError
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    cpu = sub.add_parser("cpu", help="alternate calibrations and real runs on this host, then print the table")
+    cpu.add_argument("--rounds", type=int, default=3)
+    cpu.add_argument("--records", default="/tmp/simulator_cpu.jsonl")
+    table = sub.add_parser("cpu-table", help="the table from recorded runs")
+    table.add_argument("--records", default="/tmp/simulator_cpu.jsonl")
+    sub.add_parser("weipipe-paper", help="WeiPipe's scaling setting, NVLink and PCIe+IB clusters")
+    sub.add_parser("fpdt-paper", help="FPDT's 8B Llama at 2M tokens on 4 GPUs and 4M on 8")
+    args = p.parse_args(argv)
+    try:
+        if args.what == "cpu":
+            validation.run_validation(args.records, rounds=args.rounds)
+            print(paper.cpu_table(validation.summarise(validation.load_records(args.records))))
+        elif args.what == "cpu-table":
+            print(paper.cpu_table(validation.summarise(validation.load_records(args.records))))
+        elif args.what == "weipipe-paper":
+            print(paper.weipipe_table())
+        elif args.what == "fpdt-paper":
+            print(paper.fpdt_table())
+    except SimulatorError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
