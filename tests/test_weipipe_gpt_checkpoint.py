@@ -9,6 +9,8 @@ schedule, data position) continues with the losses and parameters of an uninterr
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -19,7 +21,14 @@ from test_weipipe_gpt_common import RTOL, argv, merge, train_many
 
 
 def _args(schedule, **extra):
-    return argv(pipeline_model_parallel_size=2, pipeline_schedule=schedule, train_iters=4, log_interval=1, **extra)
+    return argv(pipeline_model_parallel_size=2, pipeline_schedule=schedule, train_iters=4, log_interval=1,
+                eval_interval=2, eval_iters=1, **extra)
+
+
+def _validation_losses(log: str) -> dict[int, float]:
+    """{iteration: validation lm loss} from the log."""
+    found = re.findall(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)", log)
+    return {int(it): float(v) for it, v in found}
 
 
 @pytest.mark.distributed
@@ -46,6 +55,14 @@ def test_checkpoint_interchange_1f1b_and_weipipe(tmp_path):
         rel, where = max_relative_difference(out[resumed]["params"], straight["params"])
         assert rel < RTOL, f"{resumed}: parameter {where} differs by {rel:.2e}"
     assert "loaded checkpoint" in out["weipipe-resume"]["log"]
+    # Evaluation (forward only) agrees too, on the same validation samples.
+    valid = _validation_losses(straight["log"])
+    assert sorted(valid) == [2, 4]
+    for name, its in (("1f1b-save", [2]), ("weipipe-save", [2]), ("weipipe-resume", [4]), ("1f1b-resume", [4])):
+        got = _validation_losses(out[name]["log"])
+        assert sorted(got) == its, (name, got)
+        for it in its:
+            assert abs(got[it] - valid[it]) <= RTOL * abs(valid[it]), (name, it, got[it], valid[it])
     # The log line names what each schedule moves.
     assert "activations=" in straight["log"] and "weights=" not in straight["log"]
     assert "weights=" in out["weipipe-resume"]["log"] and "gradients=" in out["weipipe-resume"]["log"]

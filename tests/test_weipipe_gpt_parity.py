@@ -70,6 +70,14 @@ EXTRA_WORLD2 = {
     "llama-interleave-G2": (_weipipe_args("weipipe-interleave", 2, 2, **LLAMA), _reference_key(2, 2, **LLAMA)),
     "llama-zb-G3": (_weipipe_args("weipipe-zb", 2, 3, **LLAMA), _reference_key(2, 3, **LLAMA)),
 }
+# Dropout on: recomputation must replay the forward's RNG (same masks), so with and
+# without it the run is the same.
+DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1, num_layers=4, global_batch_size=8,
+               pipeline_model_parallel_size=2, pipeline_schedule="weipipe-zb")
+DROPOUT_WORLD2 = {
+    "dropout-recompute": argv(recompute_granularity="full", recompute_method="uniform", **DROPOUT),
+    "dropout-plain": argv(**DROPOUT),
+}
 # bf16 weights and bf16 gradient messages, against the float32 run of the same model.
 BF16_WORLD2 = {
     "bf16-zb": argv(pipeline_model_parallel_size=2, pipeline_schedule="weipipe-zb", bf16=True, train_iters=5,
@@ -84,6 +92,7 @@ def _world(P: int) -> dict:
     if P == 2:
         configs.update({name: a for name, (a, _) in EXTRA_WORLD2.items()})
         configs.update(BF16_WORLD2)
+        configs.update(DROPOUT_WORLD2)
     if P == 4:
         configs.update({name: a for name, (a, _) in EXTRA_WORLD4.items()})
     per_rank = run_distributed(train_many, P, list(configs.values()), timeout=600)
@@ -156,6 +165,12 @@ def test_log_line_shows_weipipe_bytes():
     assert moved["weights"] == format_bytes(want["weights"]), lines[-1]
     assert moved["gradients"] == format_bytes(want["gradients"]), lines[-1]
     assert "collectives" in moved and "activations" not in moved
+
+
+@pytest.mark.distributed
+def test_recompute_replays_dropout_masks():
+    run, plain = _world(2)["dropout-recompute"], _world(2)["dropout-plain"]
+    assert_matches(run, plain, "dropout with/without recompute", rtol=1e-6)
 
 
 @pytest.mark.distributed
