@@ -1,6 +1,6 @@
 """torchrun entry used by the report's real runs: pretrain_gpt.py unchanged, plus one
-line per rank and logged iteration with the byte counter's exact counts (the log line
-itself rounds them to 0.1 of a unit).
+JSON line per rank and logged iteration with the byte counter's exact counts (the log
+line itself rounds them to 0.1 of a unit), appended to $SIMPROBE_DIR/rank<r>.jsonl.
 
     torchrun --nproc-per-node 2 -m megatron_weipipe.simulator.probe_run <pretrain_gpt.py flags>
 """
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-PREFIX = "SIMPROBE "
+ENV = "SIMPROBE_DIR"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -24,9 +24,11 @@ def main() -> int:
     original = loop.training_log_line
 
     def logged(**kw):
-        record = {"rank": dist.get_rank(), "iteration": kw["iteration"], "elapsed_ms": kw["elapsed_ms"],
+        rank = dist.get_rank()
+        record = {"rank": rank, "iteration": kw["iteration"], "elapsed_ms": kw["elapsed_ms"],
                   "sent": BYTE_COUNTER.snapshot()["sent"]}
-        print(PREFIX + json.dumps(record), flush=True)
+        with open(os.path.join(os.environ[ENV], f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
         return original(**kw)
 
     loop.training_log_line = logged

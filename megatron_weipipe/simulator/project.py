@@ -136,8 +136,10 @@ class RunSpec:
         out = chunks * self.chunk_params()
         if r == 0:
             out += s.embedding_params(tp)
-        if r == P - 1:
-            out += s.head_params(tp)
+        if r == P - 1:  # final norm, and the output layer (a second copy of a tied embedding if P > 1)
+            out += s.norm_params()
+            if P > 1 or s.untie_embeddings_and_output_weights:
+                out += s.word_embedding_params(tp)
         return out
 
     def activation_message_bytes(self) -> int:

@@ -7,10 +7,11 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
-from .probe_run import PREFIX, REPO
+from .probe_run import ENV, REPO
 from .shape import ModelShape
 
 _ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+).*?"
@@ -44,10 +45,11 @@ def pretrain_flags(shape: ModelShape, ranks: int, schedule: str, global_batch_si
     return flags
 
 
-def launch(ranks: int, flags: list[str], *, timeout: float = 900.0) -> tuple[str, float, str]:
+def launch(ranks: int, flags: list[str], probe_dir: str, *, timeout: float = 900.0) -> tuple[str, float, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "-m", "megatron_weipipe.simulator.probe_run", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env[ENV] = probe_dir
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
@@ -58,16 +60,20 @@ def launch(ranks: int, flags: list[str], *, timeout: float = 900.0) -> tuple[str
     return proc.stdout, wall, shown
 
 
-def parse(stdout: str, schedule: str, ranks: int, seq_length: int) -> RealRun:
-    elapsed, log_sent, last_iter = None, "", -1
-    sent: dict = {}
+def _probe_records(probe_dir: str) -> dict:
+    """rank -> bytes sent by kind in the last logged iteration."""
+    sent = {}
+    for name in sorted(os.listdir(probe_dir)):
+        with open(os.path.join(probe_dir, name)) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        last = max(recs, key=lambda r: r["iteration"])
+        sent[last["rank"]] = last["sent"]
+    return sent
+
+
+def parse(stdout: str, schedule: str, ranks: int, seq_length: int, sent: dict) -> RealRun:
+    elapsed, log_sent = None, ""
     for line in stdout.splitlines():
-        if line.startswith(PREFIX):
-            rec = json.loads(line[len(PREFIX):])
-            if rec["iteration"] >= last_iter:
-                last_iter = rec["iteration"]
-                sent[rec["rank"]] = rec["sent"]
-            continue
         m = _ELAPSED.search(line)
         if m:
             elapsed = float(m.group(2))
@@ -80,7 +86,9 @@ def parse(stdout: str, schedule: str, ranks: int, seq_length: int) -> RealRun:
 def real_run(shape: ModelShape, ranks: int, schedule: str, global_batch_size: int, *,
              train_iters: int = 4, log_interval: int = 2) -> RealRun:
     flags = pretrain_flags(shape, ranks, schedule, global_batch_size, train_iters, log_interval)
-    out, wall, shown = launch(ranks, flags)
-    run = parse(out, schedule, ranks, shape.seq_length)
+    with tempfile.TemporaryDirectory() as d:
+        out, wall, shown = launch(ranks, flags, d)
+        sent = _probe_records(d)
+    run = parse(out, schedule, ranks, shape.seq_length, sent)
     run.wall_s, run.command = wall, shown
     return run
