@@ -6,11 +6,13 @@ ranks, their children, orphans included) exists any more.
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from test_faults_util import Job, tiny_args
+from test_faults_util import ROOT, Job, tiny_args
 
 # The watchdog polls every 0.2 s here (1 s by default); on one host a dead neighbour is
 # found by its pid at once, so the bound does not depend on the heartbeat timeout.
@@ -84,3 +86,34 @@ def test_rank_that_raises_tells_its_peers():
     for peer in (0, 1):
         assert (f"error: [rank {peer}] stopping: rank 2 failed: RuntimeError during forward/backward at "
                 f"iteration 8") in out, out[-3000:]
+
+
+_FORKS_A_CHILD = """
+import multiprocessing as mp, time
+from megatron_weipipe.training.watchdog import install_child_process_guards
+install_child_process_guards()
+p = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+p.start()
+print(p.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_forked_children_die_with_their_rank():
+    """Checkpoint writers and loader workers are forked by multiprocessing: they must not outlive a SIGKILLed rank."""
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    rank = subprocess.Popen([sys.executable, "-c", _FORKS_A_CHILD], env=env, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = psutil.Process(int(rank.stdout.readline()))
+        rank.kill()
+        rank.wait(10)
+        child.wait(10)  # raises TimeoutExpired if the child outlives its parent
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+        if child is not None and child.is_running():
+            child.kill()

@@ -62,6 +62,7 @@ class Job:
         self.torchrun = torchrun
         self.lines: list[tuple[float, str]] = []
         self.seen: dict[int, float] = {}  # pid -> create_time of every process of the job
+        self.cmdlines: dict[int, str] = {}
         self._cond = threading.Condition()
         base_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
         base_env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
@@ -104,7 +105,12 @@ class Job:
             try:
                 top = psutil.Process(p.pid)
                 for q in [top, *top.children(recursive=True)]:
-                    self.seen.setdefault(q.pid, q.create_time())
+                    if q.pid not in self.seen:
+                        self.seen[q.pid] = q.create_time()
+                        try:
+                            self.cmdlines[q.pid] = " ".join(q.cmdline())
+                        except psutil.Error:
+                            pass
             except psutil.Error:
                 pass
 

@@ -1,0 +1,184 @@
+"""Corrupt inputs: one line naming the file, a non-zero exit, nothing overwritten, no code run.
+
+Data files are checked before any process group exists (exit code 2). Checkpoint files
+are checked on every rank before loading (exit code 1), and read as data only: a
+pickle that would run code is refused before anything unpickles it.
+"""
+
+import hashlib
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_weipipe.testing import run_distributed
+from megatron_weipipe.training import safe_load
+from test_faults_util import DATA, PRETRAIN, ROOT, Job, tiny_args
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+
+
+def _cli(args, timeout=100):
+    return subprocess.run([sys.executable, PRETRAIN, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _stderr_lines(out):
+    return [line for line in out.stderr.splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("suffix,expect", [
+    (".bin", "is truncated: its index"),
+    (".idx", "is truncated: its header promises"),
+])
+def test_truncated_data_file_one_line(tmp_path, suffix, expect):
+    prefix = str(tmp_path / "doc")
+    for ext in (".bin", ".idx"):
+        shutil.copy(DATA + ext, prefix + ext)
+    os.truncate(prefix + suffix, os.path.getsize(prefix + suffix) - 10)
+    out = _cli(tiny_args(2, data_path=prefix))
+    assert out.returncode == 2
+    lines = _stderr_lines(out)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and prefix + suffix in lines[0], out.stderr
+    assert expect in lines[0]
+
+
+class _RunsCode:
+    """Unpickling this would create a directory: the marker that code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt") / "good")
+    out = _cli(tiny_args(2, save=root, save_interval=2), timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return root
+
+
+def _digest(root):
+    h = hashlib.sha256()
+    for dirpath, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for f in sorted(files):
+            p = os.path.join(dirpath, f)
+            h.update(p.encode())
+            h.update(open(p, "rb").read())
+    return h.hexdigest()
+
+
+def _corrupt(kind, src, dst, marker):
+    shutil.copytree(src, dst)
+    it = os.path.join(dst, "iter_0000002")
+    if kind == "shard":
+        p = os.path.join(it, "__0_0.distcp")
+        os.truncate(p, os.path.getsize(p) - 100)
+    elif kind == "metadata":
+        p = os.path.join(it, ".metadata")
+        os.truncate(p, os.path.getsize(p) // 2)
+    elif kind == "common":
+        p = os.path.join(it, "common.pt")
+        os.truncate(p, os.path.getsize(p) // 2)
+    elif kind == "unsafe-common":
+        torch.save({"iteration": 2, "x": _RunsCode(marker)}, os.path.join(it, "common.pt"))
+    elif kind == "unsafe-metadata":
+        with open(os.path.join(it, ".metadata"), "wb") as f:
+            pickle.dump(_RunsCode(marker), f)
+    return dst
+
+
+CASES = {
+    "shard": "checkpoint shard {it}/__0_0.distcp is truncated",
+    "metadata": "{it}/.metadata is truncated or corrupt",
+    "common": "{it}/common.pt is unreadable, truncated or not plain data",
+    "unsafe-common": "{it}/common.pt is unreadable, truncated or not plain data",
+    "unsafe-metadata": "{it}/.metadata is not plain checkpoint metadata: the unpickler refuses to import posix.mkdir",
+    "shape": "{it}/common.pt: the checkpoint's model shape differs: hidden_size 32 in the checkpoint vs 64 requested",
+}
+
+
+def _try_loads(rank, world_size, roots):
+    """pretrain() against each checkpoint directory; the error each one raised."""
+    import pretrain_gpt
+    from megatron.core import parallel_state
+    from megatron_weipipe.arguments import parse_config
+    from megatron_weipipe.model.gpt_step import forward_step
+    from megatron_weipipe.training.pretrain import pretrain
+
+    errors = {}
+    for kind, root in roots.items():
+        overrides = dict(hidden_size=64) if kind == "shape" else {}
+        cfg = parse_config(tiny_args(4, save=root, load=root, save_interval=1, **overrides), world_size=1)
+        try:
+            pretrain(cfg, pretrain_gpt.model_provider, forward_step)
+            errors[kind] = None
+        except Exception as e:
+            errors[kind] = (type(e).__name__, e.report)
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    return errors
+
+
+@pytest.mark.timeout(200)
+def test_corrupt_checkpoints_fail_with_one_line_and_change_nothing(checkpoint, tmp_path):
+    marker = str(tmp_path / "code-ran")
+    roots = {kind: _corrupt(kind, checkpoint, str(tmp_path / kind), marker) for kind in CASES if kind != "shape"}
+    roots["shape"] = _corrupt("none", checkpoint, str(tmp_path / "shape"), marker)
+    before = {kind: _digest(root) for kind, root in roots.items()}
+    errors = run_distributed(_try_loads, 1, roots, timeout=180)[0]
+    for kind, expect in CASES.items():
+        assert errors[kind] is not None, kind
+        name, report = errors[kind]
+        assert name == "CheckpointError"
+        assert expect.format(it=os.path.join(roots[kind], "iter_0000002")) in report, (kind, report)
+        assert "\n" not in report
+        assert _digest(roots[kind]) == before[kind], f"{kind}: checkpoint directory changed"
+    assert not os.path.exists(marker), "a pickle in the checkpoint ran code"
+
+
+@pytest.mark.timeout(150)
+def test_truncated_shard_under_two_ranks_prints_one_line(checkpoint, tmp_path):
+    root = _corrupt("shard", checkpoint, str(tmp_path / "ck"), None)
+    job = Job(2, tiny_args(4, save=root, load=root), torchrun=False)
+    try:
+        codes = job.wait(120)
+        job.wait_all_gone(10)
+    finally:
+        job.close()
+    assert codes == [1, 1]
+    errors = [line for line in job.output().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "__0_0.distcp is truncated" in errors[0], job.output()[-3000:]
+
+
+def test_safe_planner_refuses_code_in_byte_objects(tmp_path):
+    """Byte objects inside .distcp files (the RNG state) load with weights_only=True."""
+    marker = str(tmp_path / "code-ran")
+    buf = io.BytesIO()
+    torch.save([_RunsCode(marker)], buf)
+    buf.seek(0)
+    planner = safe_load._safe_planner_class()(allow_shape_mismatch_sharded_tensors={})
+    planner.flatten_state_dict = False
+    planner.state_dict = {}
+
+    class Item:
+        class dest_index:
+            fqn = "rng_state"
+
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported global"):
+        planner.load_bytes(Item, buf)
+    assert not os.path.exists(marker)
+    buf = io.BytesIO()
+    torch.save([{"torch_rng_state": torch.get_rng_state(), "np": ("MT19937", torch.arange(3), 1, 0, 0.0)}], buf)
+    buf.seek(0)
+    planner.load_bytes(Item, buf)
+    assert torch.equal(planner.state_dict["rng_state"][0]["torch_rng_state"], torch.get_rng_state())
