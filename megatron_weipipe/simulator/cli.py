@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--virtual-stages", type=int, default=2, help="model chunks per rank for interleaved")
     par.add_argument("--sequence-parallel", action="store_true")
     par.add_argument("--use-distributed-optimizer", action="store_true")
+    par.add_argument("--zero3", action="store_true",
+                     help="memory as DeepSpeed ZeRO-3 keeps it (weights, grads, Adam sharded over DP x CP)")
     par.add_argument("--weipipe-grad-dtype", default="fp32", choices=["fp32", "bf16"])
     par.add_argument("--ideal-wgrad", action="store_true",
                      help="price WeiPipe's weight-gradient pass as a per-layer kernel, not the runtime's second pass")
@@ -143,7 +145,7 @@ def config_from_args(args):
                      compute_bytes=4 if args.fp32 else 2,
                      weipipe_grad_bytes=2 if args.weipipe_grad_dtype == "bf16" else 4,
                      sequence_parallel=args.sequence_parallel,
-                     distributed_optimizer=args.use_distributed_optimizer,
+                     distributed_optimizer=args.use_distributed_optimizer, zero3=args.zero3,
                      attention_impl="unfused" if args.calibrate or args.calibration else "flash",
                      dropout=not args.no_dropout, fpdt=fpdt).validate() for n in names]
     return shape, layout, cluster, specs

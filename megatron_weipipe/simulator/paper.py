@@ -1,6 +1,41 @@
-"""Tables for docs/simulator.md: CPU-host validation, WeiPipe's and FPDT's settings."""
+"""Tables for docs/simulator.md: CPU-host validation, WeiPipe's and FPDT's settings.
+
+Every projected row comes with the `tools/simulate.py` command that prints it.
+"""
 
 from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from .cli import build_parser, config_from_args, costs_for
+from .project import simulate_run
+
+# The WeiPipe paper's scaling run (authors' script): Llama-style blocks, L=32, h=1024, 32 heads,
+# micro-batch 2, seq 16384, two microbatches per GPU, pure pipeline of all GPUs; 1F1B with
+# activation checkpointing, WeiPipe without; training the embedding and output layer too.
+WEIPIPE_MODEL = ("--num-layers 32 --hidden-size 1024 --num-attention-heads 32 --seq-length 16384 "
+                 "--micro-batch-size 2 --vocab-size 32000 --swiglu --ffn-hidden-size 2752 --normalization RMSNorm "
+                 "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights "
+                 "--no-dropout")
+WEIPIPE_CLUSTERS = {
+    # assumed: A800-SXM nodes of 8 (NVLink capped at 200 GB/s per direction), 200 Gb/s IB per GPU
+    "NVLink": "--gpu a800 --link nvlink-a800,ib-hdr --gpus-per-node 8",
+    # assumed: 8 PCIe GPUs per node (gen4 switch), 100 Gb/s IB between nodes
+    "PCIe + IB": "--gpu a800 --link pcie4,ib-edr --gpus-per-node 8",
+}
+WEIPIPE_PAPER = {"NVLink": 0.309, "PCIe + IB": 0.82}
+
+LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 "
+             "--ffn-hidden-size 14336 --vocab-size 128256 --swiglu --normalization RMSNorm --disable-bias-linear "
+             "--position-embedding-type rope --untie-embeddings-and-output-weights --no-dropout "
+             "--micro-batch-size 1 --global-batch-size 1 --gpu a100 --link nvlink3,ib --host-link pcie4")
+
+
+def run_command(flags: str):
+    args = build_parser().parse_args(shlex.split(flags))
+    _, _, cluster, specs = config_from_args(args)
+    return [simulate_run(spec, cluster, costs_for(args, spec, cluster)) for spec in specs], cluster
 
 
 def cpu_table(rows: list[dict]) -> str:
@@ -15,9 +50,76 @@ def cpu_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def weipipe_table() -> str:
-    raise NotImplementedError
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    megatron_flags: str
+    weipipe_flags: str
+
+
+WEIPIPE_VARIANTS = (
+    Variant("as the paper ran it: 1F1B recomputes, WeiPipe does not", "--recompute-granularity full", ""),
+    Variant("neither recomputes", "", ""),
+)
+
+
+def weipipe_table(gpus=(8, 16, 32)) -> str:
+    lines = ["| cluster | GPUs | variant | 1F1B iteration | WeiPipe-Interleave iteration | WeiPipe-zb iteration | "
+             "predicted gain (Interleave) | paper (up to) | peak memory 1F1B / WeiPipe |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    commands = []
+    for cluster, hw in WEIPIPE_CLUSTERS.items():
+        for n in gpus:
+            for v in WEIPIPE_VARIANTS:
+                base = f"{WEIPIPE_MODEL} {hw} --pipeline-model-parallel-size {n} --global-batch-size {4 * n}"
+                mega = f"{base} --schedules 1f1b {v.megatron_flags}".strip()
+                wei = f"{base} --schedules weipipe-interleave,weipipe-zb {v.weipipe_flags}".strip()
+                (one,), _ = run_command(mega)
+                (inter, zb), _ = run_command(wei)
+                gain = one.iteration_s / inter.iteration_s - 1
+                lines.append(
+                    f"| {cluster} | {n} | {v.name} | {one.iteration_s:.2f} s | {inter.iteration_s:.2f} s | "
+                    f"{zb.iteration_s:.2f} s | {gain:+.1%} | {WEIPIPE_PAPER[cluster]:+.1%} | "
+                    f"{one.peak_memory / 2**30:.0f} / {inter.peak_memory / 2**30:.0f} GiB |")
+                if n == gpus[-1]:
+                    commands += [f"python tools/simulate.py {mega}", f"python tools/simulate.py {wei}"]
+    return "\n".join(lines + ["", "Commands (largest size; others differ in the PP size and batch):", ""]
+                     + [f"    {c}" for c in commands])
+
+
+FPDT_ROWS = (
+    ("8B, 2M tokens, 4 GPUs: FPDT 64K chunks, offload, checkpoints on host, ZeRO-3 (paper)",
+     "--seq-length 2097152 --context-parallel-size 4 --fpdt --fpdt-chunk-size 65536 --fpdt-offload "
+     "--fpdt-offload-checkpoints --zero3", "fits (paper)"),
+    ("same, Megatron distributed optimizer instead of ZeRO-3",
+     "--seq-length 2097152 --context-parallel-size 4 --fpdt --fpdt-chunk-size 65536 --fpdt-offload "
+     "--fpdt-offload-checkpoints --use-distributed-optimizer", "-"),
+    ("same as the paper, checkpoints kept on the device",
+     "--seq-length 2097152 --context-parallel-size 4 --fpdt --fpdt-chunk-size 65536 --fpdt-offload "
+     "--recompute-granularity full --zero3", "-"),
+    ("8B, 2M tokens, 4 GPUs, plain Ulysses (one chunk), ZeRO-3",
+     "--seq-length 2097152 --context-parallel-size 4 --fpdt --fpdt-chunk-size 2097152 "
+     "--recompute-granularity full --zero3", "does not fit (paper)"),
+    ("8B, 4M tokens, 8 GPUs: FPDT 64K chunks, offload, checkpoints on host, ZeRO-3 (paper)",
+     "--seq-length 4194304 --context-parallel-size 8 --fpdt --fpdt-chunk-size 65536 --fpdt-offload "
+     "--fpdt-offload-checkpoints --zero3", "fits, 68 GB HBM (paper blog)"),
+)
 
 
 def fpdt_table() -> str:
-    raise NotImplementedError
+    lines = ["| setting | chunks | device peak per rank | fits in 80 GB | host memory per node | prefetch | "
+             "iteration | MFU | paper |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    commands = []
+    for name, flags, claim in FPDT_ROWS:
+        cmd = f"{LLAMA3_8B} {flags}"
+        (r,), cluster = run_command(cmd)
+        fp = r.fpdt
+        per_node = fp.host_bytes_per_rank * min(cluster.gpus_per_node, r.spec.layout.world)
+        fits = r.peak_memory <= cluster.device.memory_gb * 1e9
+        hidden = ("hidden" if fp.prefetch_hidden else "exposed") if r.spec.fpdt.offload else "no offload"
+        lines.append(
+            f"| {name} | {fp.chunks} | {r.peak_memory / 2**30:.1f} GiB | {'yes' if fits else 'NO'} | "
+            f"{per_node / 2**30:.0f} GiB | {hidden} | {r.iteration_s:.0f} s | {r.mfu:.1%} | {claim} |")
+        commands.append(f"python tools/simulate.py {cmd}")
+    return "\n".join(lines + ["", "Commands:", ""] + [f"    {c}" for c in commands])

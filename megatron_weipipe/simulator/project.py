@@ -49,6 +49,7 @@ class RunSpec:
     weipipe_grad_bytes: int = 4  # the gradient flow (--weipipe-grad-dtype)
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    zero3: bool = False  # DeepSpeed ZeRO-3 model state (bf16 weights and grads, fp32 Adam), all sharded
     attention_impl: str = "flash"
     dropout: bool = True
     fpdt: Optional[FPDTSpec] = None
@@ -296,6 +297,9 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     state = memory.state_bytes_for(spec.compute_bytes)
     if spec.distributed_optimizer:
         state = memory.StateBytes(state.param, state.grad, state.optimizer, optimizer_shards=lay.dp * lay.cp)
+    if spec.zero3:
+        n = lay.dp * lay.cp
+        state = memory.StateBytes(spec.compute_bytes, spec.compute_bytes, 12, optimizer_shards=n, param_shards=n)
     act_opts = memory.ActivationOptions(impl=spec.attention_impl, dtype_bytes=spec.compute_bytes,
                                         dropout=spec.dropout, tp=lay.tp, cp=lay.cp,
                                         sequence_parallel=spec.sequence_parallel)
@@ -320,8 +324,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         else:
             acts = in_flight[r] * k * per_layer
             transient = 0.0
-        if spec.is_weipipe or r == lay.pp - 1:
-            transient += logits / (spec.fpdt.num_chunks(s.seq_length) if fp is not None else 1)
+        if fp is None and (spec.is_weipipe or r == lay.pp - 1):
+            transient += logits  # FPDT's chunked loss is in its chunk buffers
         buf = 0.0
         if buffers is not None:
             b = buffers[r]
