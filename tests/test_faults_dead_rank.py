@@ -117,3 +117,26 @@ def test_forked_children_die_with_their_rank():
             rank.kill()
         if child is not None and child.is_running():
             child.kill()
+
+
+@pytest.mark.timeout(180)
+def test_frozen_rank_is_found_by_its_heartbeat():
+    """SIGSTOP: the process exists but does nothing; its heartbeat stops and it is declared dead."""
+    env = dict(ENV, MEGATRON_WEIPIPE_HEARTBEAT_TIMEOUT="3")
+    job = Job(3, tiny_args(100000, **PP3), torchrun=False, env=env)
+    try:
+        pids = job.wait_ranks(90)
+        job.wait_for(r"iteration\s+5/", 120)
+        job.sample()
+        t0 = time.monotonic()
+        os.kill(pids[2], signal.SIGSTOP)
+        job.wait_all_gone(BOUND_S + 30)
+        elapsed = time.monotonic() - t0
+        codes = job.wait(10)
+    finally:
+        job.close()
+    print(f"all processes gone {elapsed:.2f}s after SIGSTOP of rank 2")
+    assert codes == [1, 1, -signal.SIGKILL]
+    assert elapsed < 3 + BOUND_S
+    out = job.output()
+    assert "stopping: rank 2 failed: process" in out and "stopped responding: no heartbeat for" in out, out[-3000:]

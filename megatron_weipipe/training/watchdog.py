@@ -9,9 +9,10 @@ store, or rank 0's TCPStore) over its own connection:
 - it exits the process (``os._exit``, after killing this rank's child processes) as
   soon as any rank has published a failure;
 - it watches one neighbour (rank + 1): a neighbour on the same host whose pid is gone
-  is dead at once; elsewhere, a heartbeat that stops for ``heartbeat_timeout`` seconds
-  outside start-up means the process died or its interpreter is wedged. Either way
-  the watcher publishes the failure on the neighbour's behalf, naming its last phase;
+  is dead at once; a heartbeat that stops for ``heartbeat_timeout`` seconds outside
+  start-up means the process died, its host is gone or its interpreter is wedged (a
+  wedged neighbour on the same host is SIGKILLed). Either way the watcher publishes the
+  failure on the neighbour's behalf, naming the phase of its last heartbeat;
 - it exits if the launcher that started this rank is gone, or the store is.
 
 A rank that raises publishes first (``report_failure``), so its peers leave within
@@ -297,8 +298,15 @@ class Watchdog:
             return None
         silent = now - self._neighbour_seen
         if silent > self.heartbeat_timeout and not phase.startswith(_NO_HEARTBEAT_VERDICT):
-            return (f"process {pid} on {host} stopped responding: no heartbeat for {silent:.0f}s "
-                    f"(its last heartbeat: {phase}; found by rank {self.rank})")
+            verdict = (f"process {pid} on {host} stopped responding: no heartbeat for {silent:.0f}s "
+                       f"(its last heartbeat: {phase}; found by rank {self.rank})")
+            if host == self._host:  # declared dead: make it so, rather than leave it holding its devices
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    verdict += "; killed"
+                except OSError:
+                    pass
+            return verdict
         return None
 
 
