@@ -318,3 +318,12 @@ def test_longest_fitting_doubles_then_bisects():
     assert seen[:6] == [256, 512, 1024, 2048, 4096, 8192]
     assert longest_fitting(lambda n: True, 256, 256, 1024) == 1024
     assert longest_fitting(lambda n: False, 256, 256, 1024) == 0
+
+
+def test_chunk_counts_from_config():
+    cfg = FPDTConfig(chunk_size=1024)
+    assert cfg.validate(8192, 2) == 8 and cfg.mlp_num_chunks(8192) == 8 and cfg.loss_num_chunks(8192) == 8
+    cfg = FPDTConfig(chunk_size=1024, mlp_chunks=2, loss_chunks=16)
+    assert cfg.mlp_num_chunks(8192) == 2 and cfg.loss_num_chunks(8192) == 16
+    assert FPDTConfig().validate(8192, 4) == 1
+    _one_line_error(lambda: FPDTConfig(mlp_chunks=3).validate(64, 2), "mlp_chunks=3")

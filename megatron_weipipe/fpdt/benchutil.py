@@ -84,7 +84,7 @@ class Layer:
             m = reference_mlp(h, p["w1"], None, p["w2"], None, "swiglu")
         else:
             S = x.shape[0] * (1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group))
-            m = chunked_mlp(h, p["w1"], None, p["w2"], None, "swiglu", num_chunks=self.fpdt.num_chunks(S))
+            m = chunked_mlp(h, p["w1"], None, p["w2"], None, "swiglu", num_chunks=self.fpdt.mlp_num_chunks(S))
         return x + m
 
 

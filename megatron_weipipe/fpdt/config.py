@@ -129,6 +129,14 @@ class FPDTConfig:
             return 1
         return max(1, seq_len // self.chunk_size)
 
+    def mlp_num_chunks(self, seq_len: int) -> int:
+        """Sequence chunks for chunked_mlp (default: the attention's chunk count)."""
+        return self.mlp_chunks or self.num_chunks(seq_len)
+
+    def loss_num_chunks(self, seq_len: int) -> int:
+        """Sequence chunks for chunked_cross_entropy (default: the attention's chunk count)."""
+        return self.loss_chunks or self.num_chunks(seq_len)
+
     def validate(self, seq_len: int, cp_size: int = 1) -> int:
         """Check the layout for a global sequence length; return the chunk count u."""
         if self.kernel not in KERNELS:
