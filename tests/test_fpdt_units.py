@@ -12,7 +12,6 @@ from megatron_weipipe.fpdt import (
     CommCounter,
     FPDTConfig,
     FPDTSelfAttention,
-    HostBufferPool,
     MathKernel,
     OffloadStats,
     RotaryConfig,
