@@ -19,9 +19,10 @@ import pytest
 from megatron_weipipe.schedules.weipipe.actions import Flow
 from megatron_weipipe.schedules.weipipe.metrics import expected_messages
 from megatron_weipipe.testing import run_distributed
+from megatron_weipipe.testing.state import max_relative_difference
 from megatron_weipipe.training.metrics import format_bytes
 
-from test_weipipe_gpt_common import WEIPIPE, argv, assert_matches, merge, train_many
+from test_weipipe_gpt_common import RTOL, WEIPIPE, argv, assert_matches, merge, train_many
 
 MICRO = 2
 
@@ -55,12 +56,19 @@ EXTRA_WORLD4 = {
     "dp2-ring2-interleave-G2": (_weipipe_args("weipipe-interleave", 2, 2, dp=2), _reference_key(2, 2, dp=2)),
     "dp2-ring2-naive-G1": (_weipipe_args("weipipe-naive", 2, 1, dp=2), _reference_key(2, 1, dp=2)),
 }
+# The distributed optimizer reduce-scatters: each DP rank holds a gradient shard only,
+# so losses and parameters are compared.
+DISTOPT_WORLD4 = {
+    "distopt-dp2-ring2-zb-G2": (_weipipe_args("weipipe-zb", 2, 2, dp=2, use_distributed_optimizer=True),
+                                _reference_key(2, 2, dp=2)),
+}
 
 
 @functools.lru_cache(maxsize=None)
 def _references() -> dict:
     keys = sorted({_reference_key(P, G) for P in (2, 3, 4) for G in (1, 2, 3)}
-                  | {k for _, k in EXTRA_WORLD4.values()} | {k for _, k in EXTRA_WORLD2.values()})
+                  | {k for _, k in EXTRA_WORLD4.values()} | {k for _, k in EXTRA_WORLD2.values()}
+                  | {k for _, k in DISTOPT_WORLD4.values()})
     per_rank = run_distributed(train_many, 1, [argv(num_layers=L, global_batch_size=g, **dict(flags))
                                                for L, g, flags in keys], timeout=300)
     return {k: merge(per_rank, i) for i, k in enumerate(keys)}
@@ -94,7 +102,7 @@ def _world(P: int) -> dict:
         configs.update(BF16_WORLD2)
         configs.update(DROPOUT_WORLD2)
     if P == 4:
-        configs.update({name: a for name, (a, _) in EXTRA_WORLD4.items()})
+        configs.update({name: a for name, (a, _) in {**EXTRA_WORLD4, **DISTOPT_WORLD4}.items()})
     per_rank = run_distributed(train_many, P, list(configs.values()), timeout=600)
     return {key: merge(per_rank, i) for i, key in enumerate(configs)}
 
@@ -115,6 +123,16 @@ def test_weipipe_gpt_matches_reference(name, P, G):
 def test_weipipe_gpt_with_tp_or_dp_matches_reference(layout):
     run = _world(4)[layout]
     assert_matches(run, _references()[EXTRA_WORLD4[layout][1]], layout)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(DISTOPT_WORLD4))
+def test_weipipe_gpt_with_distributed_optimizer(layout):
+    run, reference = _world(4)[layout], _references()[DISTOPT_WORLD4[layout][1]]
+    for losses in run["loss_sets"]:
+        np.testing.assert_allclose(losses, reference["losses"], rtol=RTOL)
+    rel, where = max_relative_difference(run["params"], reference["params"])
+    assert rel < RTOL, f"{layout}: parameter {where} differs by {rel:.2e}"
 
 
 @pytest.mark.distributed

@@ -149,6 +149,7 @@ class _Saved:
     anchor: Optional[torch.Tensor] = None  # where the weight gradient lands
     bwd_flat: Optional[torch.Tensor] = None  # kept alive between the input and weight passes
     dy: Optional[torch.Tensor] = None
+    dw: Optional[torch.Tensor] = None  # weight gradient computed early ("stored" weight pass)
 
 
 class WeiPipeRuntime:
@@ -172,10 +173,21 @@ class WeiPipeRuntime:
         use_tags: bool = True,
         comm_scope: Optional[Callable[[Flow], ContextManager]] = None,
         rng: Any = None,
+        weight_pass: str = "replay",
     ):
         """`comm_scope(flow)`, if given, is entered around every isend/irecv of that flow
         (e.g. to attribute bytes in a process-wide counter). `rng` (get_state/set_state)
-        is what a recomputed forward replays; TorchRNG() by default."""
+        is what a recomputed forward replays; TorchRNG() by default.
+        `weight_pass` says how a split backward gets its weight gradient: "replay" runs
+        a second autograd pass at BACKWARD_WEIGHT over the graph BACKWARD_INPUT kept
+        (a true split, but it repeats the input-gradient work of the layers above each
+        weight, attention included); "stored" computes input and weight gradients in
+        one pass at BACKWARD_INPUT and only adds the stored result at BACKWARD_WEIGHT
+        (no repeated work, the graph freed at once; the split then exists in the action
+        order and message timing only)."""
+        if weight_pass not in ("replay", "stored"):
+            raise ValueError(f"weight_pass must be 'replay' or 'stored', not {weight_pass!r}")
+        self.weight_pass = weight_pass
         if schedule.family != "weipipe":
             raise ScheduleError(f"{schedule.name} is not a WeiPipe schedule")
         size = dist.get_world_size(ring_group)
@@ -442,9 +454,11 @@ class _IterationState:
             s.swap.flat = bwd
         s.bwd_flat = bwd
         want_x = a.chunk > 0 or s.pre_out is not None
-        inputs = ([s.x] if want_x else []) + ([s.anchor] if weight_too else [])
+        store = not weight_too and self.rt.weight_pass == "stored"
+        both = weight_too or store
+        inputs = ([s.x] if want_x else []) + ([s.anchor] if both else [])
         if inputs:
-            grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not weight_too)
+            grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not both)
         else:
             grads = ()
         if want_x:
@@ -452,10 +466,13 @@ class _IterationState:
         if weight_too:
             self._add_weight_grad(a, grads[-1])
             del self.saved[(a.mb, a.chunk)]
+        elif store:
+            s.dw = grads[-1]
+            s.x = s.y = s.dy = s.anchor = s.bwd_flat = s.swap = None  # graph and weights freed now
 
     def _backward_weight(self, i: int, a: Action) -> None:
         s = self.saved.pop((a.mb, a.chunk))
-        (dw,) = torch.autograd.grad(s.y, [s.anchor], s.dy)
+        dw = s.dw if s.dw is not None else torch.autograd.grad(s.y, [s.anchor], s.dy)[0]
         self._add_weight_grad(a, dw)
 
     def _pass_down(self, a: Action, s: _Saved, dx: torch.Tensor) -> None:

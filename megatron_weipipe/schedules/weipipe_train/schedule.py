@@ -113,6 +113,9 @@ class WeiPipeSchedule(TrainSchedule):
             recompute=self.cfg.model.recompute_granularity == "full",
             comm_scope=lambda flow: BYTE_COUNTER.scope(FLOW_KIND[flow.value]),
             rng=MegatronRNG(),
+            # megatron-core's linear layers have no separate weight-gradient kernel: a
+            # replayed W pass would run the whole backward (attention too) twice.
+            weight_pass="stored",
         )
         return self.model_chunks
 
