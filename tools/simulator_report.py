@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     cpu = sub.add_parser("cpu", help="alternate calibrations and real runs on this host, then print the table")
     cpu.add_argument("--rounds", type=int, default=3)
     cpu.add_argument("--records", default="/tmp/simulator_cpu.jsonl")
+    cpu.add_argument("--workdir", default="/tmp", help="where the calibrations are kept")
     table = sub.add_parser("cpu-table", help="the table from recorded runs")
     table.add_argument("--records", default="/tmp/simulator_cpu.jsonl")
     sub.add_parser("weipipe-paper", help="WeiPipe's scaling setting, NVLink and PCIe+IB clusters")
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         if args.what == "cpu":
-            validation.run_validation(args.records, rounds=args.rounds)
+            validation.run_validation(args.records, rounds=args.rounds, workdir=args.workdir)
             print(paper.cpu_table(validation.summarise(validation.load_records(args.records))))
         elif args.what == "cpu-table":
             print(paper.cpu_table(validation.summarise(validation.load_records(args.records))))

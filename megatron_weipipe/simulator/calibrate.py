@@ -6,18 +6,23 @@ What is timed is what the runtimes execute per microbatch:
   backward, input-gradient pass and the weight-gradient pass that follows it;
 - the embedding, and the final norm + output layer + loss (forward and backward);
 - megatron-core's optimizer step (gradient norm, clipping, Adam) per parameter.
-Times are medians of repeats after a warm-up, single-threaded (torchrun starts each rank
-with OMP_NUM_THREADS=1). Processes are measured elsewhere (hostprobe.py).
+Times are CPU seconds (process time), medians of repeats after a warm-up, single-
+threaded (torchrun starts each rank with OMP_NUM_THREADS=1): on a shared host they do
+not depend on what else runs. What else runs is recorded as `cpu_share`, the CPU time
+the calibrating process got per wall second; the replay turns it into background load
+(see events.py). gloo's transfer speed is measured elsewhere (hostprobe.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from .hostprobe import cpu_jiffies, others_cores
 from .shape import ModelShape
 
 
@@ -44,6 +49,11 @@ class HostCalibration:
     optimizer_per_param: float  # seconds per parameter for norm + clip + Adam step + zeroing
     repeats: int
     spread: dict = field(default_factory=dict)  # name -> (max - min) / median over repeats
+    cpu_share: float = 1.0  # CPU seconds / wall seconds of the calibrating process (1: it had a core to itself)
+    others_cores: float = 0.0  # cores other processes kept busy meanwhile (/proc/stat)
+    host_cores: int = 1
+    gloo_gbs: Optional[float] = None  # gloo send/recv between two processes here, when measured
+    gloo_latency_us: Optional[float] = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -140,7 +150,11 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
         }
         if time_optimizer:
             probes["optimizer"], n_params = _optimizer_probe(cfg, model)
+        _SHARE["wall"] = _SHARE["cpu"] = 0.0
+        before = cpu_jiffies()
         samples = _rounds(probes, repeats)
+        share = _SHARE["cpu"] / _SHARE["wall"] if _SHARE["wall"] > 0 else 1.0
+        others = others_cores(before, cpu_jiffies(), share, os.cpu_count() or 1)
     med = {key: statistics.median(v) for key, v in samples.items()}
     spread = {key: round((max(v) - min(v)) / med[key], 3) if med[key] else 0.0 for key, v in samples.items()}
 
@@ -151,7 +165,8 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
     return HostCalibration(
         shape=shape, module=chunk("module"), flat=chunk("flat"), embed_forward=med["embed.forward"],
         embed_backward=med["embed.backward"], head_forward=med["head.forward"],
-        head_backward=med["head.backward"], repeats=repeats, spread=spread,
+        head_backward=med["head.backward"], repeats=repeats, spread=spread, cpu_share=min(1.0, share),
+        others_cores=others, host_cores=os.cpu_count() or 1,
         optimizer_per_param=med["optimizer.step"] / n_params if time_optimizer else 0.0,
     )
 
@@ -169,10 +184,18 @@ def _rounds(probes: dict, repeats: int) -> dict[str, list[float]]:
     return out
 
 
+_SHARE = {"wall": 0.0, "cpu": 0.0}
+
+
 def _clock(fn) -> float:
-    t0 = time.perf_counter()
+    """CPU seconds of fn (this process, all its threads); wall seconds are summed aside
+    to measure the share of a core the process got while the host was shared."""
+    w0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    _SHARE["wall"] += wall
+    _SHARE["cpu"] += cpu
+    return cpu
 
 
 def _embedding_probe(model, tokens, positions):

@@ -74,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time real megatron-core layers of this shape here and use them as the costs")
     cal.add_argument("--calibration", default=None, help="JSON file: read if it exists, else written by --calibrate")
     cal.add_argument("--host-cores", type=float, default=None,
-                     help="CPU cores the ranks of a node share (default: one device per rank)")
+                     help="with --calibrate: cores the ranks share (default: this host's)")
+    cal.add_argument("--host-background", type=float, default=None,
+                     help="with --calibrate: other CPU-bound tasks on the host (default: seen while calibrating)")
     cal.add_argument("--measure-host", action="store_true",
-                     help="with --calibrate: measure the cores P rank processes get and gloo's send/recv speed here")
+                     help="with --calibrate: measure gloo's send/recv speed between two processes here")
     out = p.add_argument_group("output")
     out.add_argument("--plot", default=None, help="PNG timeline of every schedule")
     out.add_argument("--json", default=None, help="write results as JSON")
@@ -125,8 +127,6 @@ def config_from_args(args):
                       host_link=link_preset(args.host_link, HOST_LINKS, "--host-link"),
                       host_memory_gb=args.host_memory_gb,
                       cores_per_node=args.host_cores).validate()
-    if args.calibrate or args.calibration:
-        cluster = host_cluster(args, layout.world)
     if args.schedules:
         names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     else:
@@ -151,21 +151,50 @@ def config_from_args(args):
     return shape, layout, cluster, specs
 
 
-def host_cluster(args, world: int):
-    """This machine as the cluster: every rank on one host, gloo between them."""
-    from .hardware import CPU_HOST, LINKS, Cluster
+def calibration_for(args, spec):
+    """This host's calibration for the spec's shape: read from --calibration, or measured."""
+    import os
 
-    link, cores = LINKS["loopback"], args.host_cores
-    if args.measure_host:
-        from .hostprobe import gloo_link, parallel_capacity
+    from . import calibrate as cal
 
-        link = gloo_link()
-        if cores is None and world > 1:
-            cores = parallel_capacity(world)
-        print(f"host: {world} ranks share {cores if cores else world:.2f} effective cores; gloo "
-              f"{link.bandwidth_gbs:.2f} GB/s, {link.latency_us:.0f} us per message")
-    return Cluster(device=CPU_HOST, intra=link, inter=link, gpus_per_node=max(world, 1),
-                   cores_per_node=cores).validate()
+    key = (spec.shape, spec.layers_per_chunk)
+    if key not in _CALIBRATIONS:
+        if args.calibration and os.path.exists(args.calibration) and not args.calibrate:
+            _CALIBRATIONS[key] = cal.load(args.calibration)
+        else:
+            c = cal.calibrate(spec.shape, spec.layers_per_chunk)
+            if args.measure_host:
+                from dataclasses import replace as _replace
+
+                from .hostprobe import gloo_link
+
+                g = gloo_link()
+                c = _replace(c, gloo_gbs=g.bandwidth_gbs, gloo_latency_us=g.latency_us)
+            _CALIBRATIONS[key] = c
+            cal.save(c, args.calibration)
+    return _CALIBRATIONS[key]
+
+
+def host_cluster(args, world: int, calibration):
+    """This machine as the cluster: every rank on one host, gloo between them, the cores
+    shared with the other jobs the calibration saw."""
+    import os
+
+    from .hardware import CPU_HOST, LINKS, Cluster, LinkSpec
+    from .hostprobe import background_tasks
+
+    cores = args.host_cores or calibration.host_cores or os.cpu_count() or 1
+    background = args.host_background
+    if background is None:
+        background = background_tasks(calibration.cpu_share, calibration.others_cores, int(cores))
+    link = LINKS["loopback"]
+    if calibration.gloo_gbs:
+        link = LinkSpec("gloo-loopback", calibration.gloo_gbs, calibration.gloo_latency_us or 0.0)
+    print(f"host: {world} ranks on {cores:g} cores with {background:.1f} other busy tasks (calibration got "
+          f"{calibration.cpu_share:.0%} of a core); gloo {link.bandwidth_gbs:.2f} GB/s, "
+          f"{link.latency_us:.0f} us per message")
+    return Cluster(device=CPU_HOST, intra=link, inter=link, gpus_per_node=max(world, 1), cores_per_node=cores,
+                   background_tasks=background).validate()
 
 
 _CALIBRATIONS: dict = {}
@@ -173,25 +202,14 @@ _CALIBRATIONS: dict = {}
 
 def costs_for(args, spec, cluster):
     """FLOP-based costs from the device preset, or this host's calibration."""
-    import os
-
-    from . import calibrate as cal
     from .costs import FlopOptions, from_calibration, from_flops
 
     if args.calibrate or args.calibration:
-        key = (spec.shape, spec.layers_per_chunk)
-        if key not in _CALIBRATIONS:
-            if args.calibration and os.path.exists(args.calibration) and not args.calibrate:
-                _CALIBRATIONS[key] = cal.load(args.calibration)
-            else:
-                _CALIBRATIONS[key] = cal.calibrate(spec.shape, spec.layers_per_chunk)
-                cal.save(_CALIBRATIONS[key], args.calibration)
-        return from_calibration(_CALIBRATIONS[key], spec.layers_per_chunk, recompute=spec.recompute)
+        return from_calibration(calibration_for(args, spec), spec.layers_per_chunk, recompute=spec.recompute)
     lay = spec.layout
-    fp_extra = 0.0
     o = FlopOptions(tp=lay.tp, cp=lay.cp, tp_link=cluster.link(0, 0),
                     cp_link=cluster.slowest_link(lay.context_ranks()), dtype_bytes=spec.compute_bytes,
-                    ideal_wgrad=args.ideal_wgrad, recompute=spec.recompute, extra_forward=fp_extra)
+                    ideal_wgrad=args.ideal_wgrad, recompute=spec.recompute)
     if spec.fpdt is not None:
         from .fpdt import analyse
 
@@ -210,6 +228,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         shape, layout, cluster, specs = config_from_args(args)
+        if args.calibrate or args.calibration:
+            cluster = host_cluster(args, layout.world, calibration_for(args, specs[0]))
         results = []
         for spec in specs:
             from .project import simulate_run

@@ -15,8 +15,9 @@ Two posting rules, one per runtime that executes these lists:
 A message moves once both its send and its receive are posted (NCCL and gloo both
 rendezvous), over the link between the two ranks; messages between the same pair in
 the same direction queue behind each other. Compute runs on one stream per rank; on a
-CPU host several ranks may share fewer cores than there are ranks, and then every busy
-rank on the host progresses at cores / busy (processor sharing).
+CPU host several ranks may share fewer cores than there are ranks (and other jobs), and
+then every busy rank on the host progresses at min(1, cores / (busy + background))
+(fair processor sharing).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class EventModel:
     semantics: str = "async"  # "async" (WeiPipe runtime, interleaved timeline) or "blocking" (1F1B)
     lookahead: int = 1
     host_of: Optional[Callable[[int], int]] = None  # rank -> host, for processor sharing
-    cores_per_host: Optional[int] = None
+    cores_per_host: Optional[float] = None
+    background: float = 0.0  # other CPU-bound tasks on every host
     start_times: Optional[tuple[float, ...]] = None  # per rank, default 0
 
     def __post_init__(self):
@@ -248,7 +250,7 @@ def replay(schedule: Schedule, model: EventModel) -> Trace:
             return 1.0
         host = model.host_of(r)
         busy = sum(1 for q in computing if model.host_of(q) == host)
-        return min(1.0, model.cores_per_host / max(busy, 1))
+        return min(1.0, model.cores_per_host / (max(busy, 1) + model.background))
 
     def advance(r: int, now: float) -> None:
         st = ranks[r]

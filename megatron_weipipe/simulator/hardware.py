@@ -128,7 +128,8 @@ class Cluster:
     gpus_per_node: int = 8
     host_link: LinkSpec = HOST_LINKS["pcie5"]
     host_memory_gb: float = 2048.0  # per node
-    cores_per_node: Optional[int] = None  # CPU hosts: ranks share this many cores (None: one device each)
+    cores_per_node: Optional[float] = None  # CPU hosts: ranks share this many cores (None: one device each)
+    background_tasks: float = 0.0  # CPU hosts: other CPU-bound tasks sharing those cores
 
     def validate(self) -> "Cluster":
         self.device.validate()
@@ -137,6 +138,7 @@ class Cluster:
         self.host_link.validate()
         require(self.gpus_per_node >= 1, "--gpus-per-node must be at least 1")
         require(self.cores_per_node is None or self.cores_per_node > 0, "--host-cores must be positive")
+        require(self.background_tasks >= 0, "--host-background must be non-negative")
         return self
 
     def node(self, rank: int) -> int:

@@ -1,11 +1,11 @@
-"""Measure what P rank processes get from this host: CPU share and gloo transfer speed.
+"""What a CPU host gives P rank processes: cores shared with other jobs, gloo's speed.
 
-A CPU host has fewer cores than a run may have ranks (and is shared with other jobs),
-so ranks slow each other down when they compute at the same time. `parallel_capacity`
-runs the same single-threaded kernel loop in 1 and then in P processes at once and
-returns the effective number of cores P processes share (P x speed_P / speed_1); the
-event replay then runs busy ranks at min(1, cores / busy). `gloo_link` times gloo
-send/recv between two processes (TCP on one host) for a small and a large message.
+A CPU host has fewer cores than a run may have ranks, and this one is shared with
+other jobs, so ranks slow each other down when they compute at the same time. The
+replay models fair sharing: with k ranks computing and B other CPU-bound tasks, each
+rank runs at min(1, cores / (k + B)). B comes from the calibration itself (the CPU time
+its process got per wall second, and what /proc/stat says the others used meanwhile).
+`gloo_link` times gloo send/recv between two processes (TCP on one host).
 """
 
 from __future__ import annotations
@@ -19,47 +19,48 @@ import textwrap
 
 from .hardware import LinkSpec
 
-_KERNEL = textwrap.dedent("""
-    import json, sys, time, torch
-    torch.set_num_threads(1)
-    rows, h, heads, s = (int(v) for v in sys.argv[1:5])
-    seconds = float(sys.argv[5])
-    x, w = torch.randn(rows, h), torch.randn(h, 4 * h)
-    scores = torch.randn(heads, s, s)
-    def step():
-        (x @ w).relu_()
-        torch.softmax(scores, -1)
-    step()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        step(); n += 1
-    print(json.dumps({"per_step": (time.perf_counter() - t0) / n}))
-""")
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole host from /proc/stat ((0, 0) where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
 
 
-def _run_kernels(k: int, args: list[str]) -> list[float]:
-    procs = [subprocess.Popen([sys.executable, "-c", _KERNEL, *args], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in range(k)]
-    out = []
-    for p in procs:
-        text, _ = p.communicate(timeout=300)
-        out.append(json.loads(text.strip().splitlines()[-1])["per_step"])
-    return out
+def others_cores(before: tuple[int, int], after: tuple[int, int], own_share: float, cores: int) -> float:
+    """Cores other processes kept busy between two /proc/stat readings, own process excluded."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    if total <= 0:
+        return 0.0
+    return max(0.0, busy / total * cores - own_share)
 
 
-def parallel_capacity(processes: int, *, rows: int = 1024, hidden: int = 256, heads: int = 8, seq: int = 256,
-                      seconds: float = 2.0, rounds: int = 3) -> float:
-    """Effective cores `processes` concurrent single-threaded ranks share (<= processes).
-    Alone and together alternate for `rounds`; the median ratio is used, since other
-    jobs on a shared host come and go."""
-    args = [str(rows), str(hidden), str(heads), str(seq), str(seconds)]
-    ratios = []
-    for _ in range(rounds):
-        alone = _run_kernels(1, args)[0]
-        together = _run_kernels(processes, args)
-        ratios.append(alone / (sum(together) / len(together)))
-    ratios.sort()
-    return min(float(processes), processes * ratios[len(ratios) // 2])
+def background_now(seconds: float = 3.0) -> tuple[float, float]:
+    """(own CPU share, others' busy cores) while this process spins for `seconds`: how
+    loaded the host is right now, for a prediction made just before a run."""
+    import time
+
+    cores = os.cpu_count() or 1
+    before = cpu_jiffies()
+    w0, c0 = time.perf_counter(), time.process_time()
+    x = 0
+    while time.perf_counter() - w0 < seconds:
+        for i in range(10000):
+            x += i
+    share = min(1.0, (time.process_time() - c0) / (time.perf_counter() - w0))
+    return share, others_cores(before, cpu_jiffies(), share, cores)
+
+
+def background_tasks(cpu_share: float, others: float, cores: int) -> float:
+    """CPU-bound tasks competing with the ranks (fair sharing: each of N runnable tasks gets
+    cores / N). A process that got less than a full core saw a saturated host: N - 1 =
+    cores / share - 1 others. Otherwise the others' measured use is the count."""
+    if cpu_share < 0.97:
+        return max(0.0, cores / cpu_share - 1.0)
+    return others
 
 
 _PINGPONG = textwrap.dedent("""

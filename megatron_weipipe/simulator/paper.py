@@ -39,13 +39,16 @@ def run_command(flags: str):
 
 
 def cpu_table(rows: list[dict]) -> str:
-    lines = ["| P | seq | schedule | rounds | measured (median) | predicted (median) | error | measured spread | "
-             "bytes = counter | logged sent/rank/iter (rank 0) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| P | seq | schedule | rounds | measured (median) | predicted (median) | error (median; per round) | "
+             "measured spread | CPU/iter measured | CPU/iter error | ranks' CPU share | bytes = counter | "
+             "logged sent/rank/iter (rank 0) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        per = ", ".join(f"{e:+.0%}" for e in r["errors"])
         lines.append(
             f"| {r['ranks']} | {r['seq_length']} | {r['schedule']} | {r['rounds']} | {r['measured_ms']:.0f} ms | "
-            f"{r['predicted_ms']:.0f} ms | {r['error']:+.1%} | {r['spread']:.0%} | "
+            f"{r['predicted_ms']:.0f} ms | {r['error']:+.1%} ({per}) | {r['spread']:.0%} | "
+            f"{r['measured_cpu_ms']:.0f} ms | {r['cpu_error']:+.1%} | {r['share']:.0%} | "
             f"{'exact' if r['bytes_exact'] else 'DIFFERS'} | {r['log_sent']} |")
     return "\n".join(lines)
 

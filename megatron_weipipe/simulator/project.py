@@ -169,6 +169,7 @@ class ScheduleResult:
     trace: Trace
     phases: dict = field(default_factory=dict)
     fpdt: Optional[FPDTReport] = None
+    work: tuple[float, ...] = ()  # per ring rank: compute and optimizer seconds at full speed (CPU time on a host)
 
     @property
     def peak_memory(self) -> float:
@@ -196,6 +197,7 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
         lookahead=spec.lookahead,
         host_of=(lambda r: cluster.node(ring[r])) if cluster.cores_per_node else None,
         cores_per_host=cluster.cores_per_node,
+        background=cluster.background_tasks,
     )
     trace = replay(schedule, model)
     end = list(trace.finish)
@@ -240,6 +242,7 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
     shards = dp_group_size if spec.distributed_optimizer else 1
     opt = max(spec.rank_params(r) / shards * costs.optimizer_per_param for r in range(P))
     phases["optimizer step (slowest rank)"] = opt
+    work = tuple(trace.work[r] + spec.rank_params(r) / shards * costs.optimizer_per_param for r in range(P))
     gather = 0.0
     if spec.distributed_optimizer and dp_group_size > 1:
         for r in range(P):
@@ -258,7 +261,7 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
     return ScheduleResult(
         spec=spec, iteration_s=iteration, pipeline_s=pipeline, tokens_per_s=tokens / iteration, mfu=mfu,
         bubble=trace.bubble_fraction, bytes_per_link=tuple(wire), counter=counter_bytes(spec, schedule),
-        memory=rank_memory(spec, schedule, fp), trace=trace, phases=phases, fpdt=fp,
+        memory=rank_memory(spec, schedule, fp), trace=trace, phases=phases, fpdt=fp, work=work,
     )
 
 

@@ -26,6 +26,8 @@ class RealRun:
     elapsed_ms: float  # the log line of the last window
     log_sent: str  # the log line's sent/rank/iter field (rank 0)
     sent: dict = field(default_factory=dict)  # rank -> kind -> exact bytes, last logged iteration
+    cpu_share: float = 0.0  # CPU seconds per wall second per rank over the last window (mean of ranks)
+    cpu_ms: tuple = ()  # per rank: CPU milliseconds per iteration over the last window
     wall_s: float = 0.0
     command: str = ""
 
@@ -60,15 +62,20 @@ def launch(ranks: int, flags: list[str], probe_dir: str, *, timeout: float = 900
     return proc.stdout, wall, shown
 
 
-def _probe_records(probe_dir: str) -> dict:
-    """rank -> bytes sent by kind in the last logged iteration."""
-    sent = {}
+def _probe_records(probe_dir: str) -> tuple[dict, float, tuple]:
+    """rank -> bytes sent by kind in the last logged iteration; the ranks' mean CPU share
+    (CPU seconds per wall second) and per-rank CPU ms per iteration over the last window."""
+    sent, shares, cpu = {}, [], {}
     for name in sorted(os.listdir(probe_dir)):
         with open(os.path.join(probe_dir, name)) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
-        last = max(recs, key=lambda r: r["iteration"])
+            recs = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["iteration"])
+        last = recs[-1]
         sent[last["rank"]] = last["sent"]
-    return sent
+        if len(recs) > 1:
+            prev = recs[-2]
+            shares.append((last["cpu_s"] - prev["cpu_s"]) / max(last["wall_s"] - prev["wall_s"], 1e-9))
+            cpu[last["rank"]] = (last["cpu_s"] - prev["cpu_s"]) * 1e3 / (last["iteration"] - prev["iteration"])
+    return sent, (sum(shares) / len(shares) if shares else 0.0), tuple(cpu[r] for r in sorted(cpu))
 
 
 def parse(stdout: str, schedule: str, ranks: int, seq_length: int, sent: dict) -> RealRun:
@@ -88,7 +95,7 @@ def real_run(shape: ModelShape, ranks: int, schedule: str, global_batch_size: in
     flags = pretrain_flags(shape, ranks, schedule, global_batch_size, train_iters, log_interval)
     with tempfile.TemporaryDirectory() as d:
         out, wall, shown = launch(ranks, flags, d)
-        sent = _probe_records(d)
+        sent, share, cpu = _probe_records(d)
     run = parse(out, schedule, ranks, shape.seq_length, sent)
-    run.wall_s, run.command = wall, shown
+    run.wall_s, run.command, run.cpu_share, run.cpu_ms = wall, shown, share, cpu
     return run

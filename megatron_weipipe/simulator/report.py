@@ -109,6 +109,7 @@ def result_dict(r: ScheduleResult) -> dict:
         "memory": [{"params": m.params, "model_state": m.model_state, "activations": m.activations,
                     "buffers": m.buffers, "transient": m.transient, "total": m.total} for m in r.memory],
         "phases": r.phases,
+        "work_s": list(r.work),
     }
 
 

@@ -1,11 +1,14 @@
 """Predicted vs measured on this CPU host, alternating so that drifting load hits both.
 
 For every (ranks, sequence length) block and every round: calibrate (real megatron-core
-layers of the shape, the cores P ranks get, gloo's speed) with `tools/simulate.py
---calibrate --measure-host`, then run each schedule for real with torchrun; the next
-block calibrates again. The schedule order rotates per round. Each prediction is paired
-with the measurement of its own round; the table reports medians over rounds, the
-measurement spread, and the byte counter against the predicted bytes (exact).
+layers of the shape, timed in CPU seconds; gloo's speed) with `tools/simulate.py
+--calibrate --measure-host`; then, for each schedule in turn, sample how loaded the
+host is (3 s), predict with that background load from the block's calibration, and run
+the schedule for real with torchrun. The schedule order rotates per round. Each
+prediction is paired with the run right after it; the table reports medians over
+rounds, the measurement spread, the CPU time per iteration (predicted work against the
+ranks' measured process time, which does not depend on the load), and the byte counter
+against the predicted bytes (exact).
 """
 
 from __future__ import annotations
@@ -49,49 +52,60 @@ def simulate_flags(shape: ModelShape, ranks: int, global_batch: int, schedules) 
         "--num-attention-heads", str(shape.num_attention_heads), "--seq-length", str(shape.seq_length),
         "--micro-batch-size", str(shape.micro_batch_size), "--global-batch-size", str(global_batch),
         "--vocab-size", str(shape.vocab_size), "--pipeline-model-parallel-size", str(ranks),
-        "--fp32", "--no-dropout", "--schedules", ",".join(schedules), "--calibrate", "--measure-host",
+        "--fp32", "--no-dropout", "--schedules", ",".join(schedules),
     ]
 
 
-def predict(shape: ModelShape, ranks: int, global_batch: int, schedules) -> tuple[dict, str, str]:
-    """{schedule: result dict} from a fresh `tools/simulate.py --calibrate` process."""
+def _simulate(flags: list[str]) -> tuple[dict, str]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "pred.json")
-        cal = os.path.join(d, "cal.json")
-        flags = simulate_flags(shape, ranks, global_batch, schedules) + ["--json", out, "--calibration", cal]
-        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "simulate.py"), *flags], cwd=REPO,
-                              capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                              timeout=1800)
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "simulate.py"), *flags, "--json", out],
+                              cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1])
         with open(out) as f:
             results = {r["schedule"]: r for r in json.load(f)}
-        with open(cal) as f:
-            calibration = f.read()
     host = next((ln for ln in proc.stdout.splitlines() if ln.startswith("host:")), "")
-    return results, host, calibration
+    return results, host
 
 
-def run_validation(path: str, rounds: int = 3, blocks=BLOCKS, schedules=SCHEDULES, base: ModelShape = BASE) -> None:
+def run_validation(path: str, rounds: int = 3, blocks=BLOCKS, schedules=SCHEDULES, base: ModelShape = BASE,
+                   workdir: str = "/tmp") -> None:
     """Append one JSON record per (round, block, schedule) to `path`."""
+    from .hostprobe import background_now, background_tasks
+
+    cores = os.cpu_count() or 1
     for rnd in range(rounds):
         order = list(schedules[rnd % len(schedules):]) + list(schedules[:rnd % len(schedules)])
         for block in blocks:
             shape = block.shape(base)
             gbs = shape.micro_batch_size * block.ranks * block.microbatches_per_rank
-            t0 = time.time()
-            pred, host, _ = predict(shape, block.ranks, gbs, schedules)
+            flags = simulate_flags(shape, block.ranks, gbs, schedules)
+            cal = os.path.join(workdir, f"simulator_cal_P{block.ranks}_s{block.seq_length}_r{rnd}.json")
+            _simulate(flags + ["--calibrate", "--measure-host", "--calibration", cal])
+            with open(cal) as f:
+                calibration = json.load(f)
             for name in order:
+                share, others = background_now()
+                background = background_tasks(share, others, cores)
+                pred, host = _simulate(flags + ["--calibration", cal, "--host-background", f"{background:.3f}"])
                 run = real_run(shape, block.ranks, name, gbs)
-                record = {"round": rnd, "ranks": block.ranks, "seq_length": block.seq_length,
-                          "schedule": name, "predicted_ms": pred[name]["iteration_s"] * 1e3,
-                          "measured_ms": run.elapsed_ms, "predicted_counter": pred[name]["counter"],
-                          "measured_sent": run.sent, "log_sent": run.log_sent, "host": host,
-                          "command": run.command, "calibrated_at": t0, "loadavg": os.getloadavg()[0]}
+                p = pred[name]
+                record = {"round": rnd, "ranks": block.ranks, "seq_length": block.seq_length, "schedule": name,
+                          "predicted_ms": p["iteration_s"] * 1e3, "measured_ms": run.elapsed_ms,
+                          "predicted_cpu_ms": [w * 1e3 for w in p["work_s"]], "measured_cpu_ms": list(run.cpu_ms),
+                          "predicted_counter": p["counter"], "measured_sent": run.sent, "log_sent": run.log_sent,
+                          "background": background, "probe_share": share, "run_cpu_share": run.cpu_share,
+                          "calibration_share": calibration["cpu_share"], "host": host, "command": run.command,
+                          "loadavg": os.getloadavg()[0], "time": time.time()}
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
                 print(f"round {rnd} P={block.ranks} s={block.seq_length} {name}: predicted "
-                      f"{record['predicted_ms']:.0f} ms, measured {run.elapsed_ms:.0f} ms ({host})", flush=True)
+                      f"{record['predicted_ms']:.0f} ms, measured {run.elapsed_ms:.0f} ms; CPU/iter predicted "
+                      f"{statistics.mean(record['predicted_cpu_ms']):.0f} ms, measured "
+                      f"{statistics.mean(run.cpu_ms) if run.cpu_ms else float('nan'):.0f} ms; background "
+                      f"{background:.1f}, ranks got {run.cpu_share:.0%} of a core", flush=True)
 
 
 def load_records(path: str) -> list[dict]:
@@ -119,15 +133,21 @@ def summarise(records: list[dict]) -> list[dict]:
         meas = [r["measured_ms"] for r in recs]
         pred = [r["predicted_ms"] for r in recs]
         ratios = [p / m for p, m in zip(pred, meas)]
+        cpu_ratios = [statistics.mean(r["predicted_cpu_ms"]) / statistics.mean(r["measured_cpu_ms"])
+                      for r in recs if r.get("measured_cpu_ms")]
         med_m = statistics.median(meas)
         out.append({
             "ranks": ranks, "seq_length": seq, "schedule": name, "rounds": len(recs),
             "measured_ms": med_m, "predicted_ms": statistics.median(pred),
             "error": statistics.median(ratios) - 1.0,
+            "errors": [x - 1.0 for x in ratios],
+            "cpu_error": statistics.median(cpu_ratios) - 1.0 if cpu_ratios else float("nan"),
+            "measured_cpu_ms": statistics.median(statistics.mean(r["measured_cpu_ms"]) for r in recs
+                                                 if r.get("measured_cpu_ms")) if cpu_ratios else float("nan"),
             "spread": (max(meas) - min(meas)) / med_m if med_m else 0.0,
             "bytes_exact": all(bytes_equal(r) for r in recs),
             "log_sent": recs[-1]["log_sent"],
-            "loadavg": statistics.median(r.get("loadavg", 0.0) for r in recs),
+            "share": statistics.median(r.get("run_cpu_share", 0.0) for r in recs),
+            "background": statistics.median(r.get("background", 0.0) for r in recs),
         })
     return out
-

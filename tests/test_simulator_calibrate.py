@@ -1,0 +1,47 @@
+"""One tiny calibration on this host (in-process: real megatron-core layers on the CPU),
+its JSON round trip, and how chunk times scale to other layer counts. No times asserted
+beyond being positive."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_weipipe.schedules.timeline import build
+from megatron_weipipe.schedules.weipipe.actions import Kind
+from megatron_weipipe.simulator.calibrate import ChunkTimes, HostCalibration, calibrate
+from megatron_weipipe.simulator.costs import from_calibration, scale_chunk
+from megatron_weipipe.simulator.shape import ModelShape
+
+TINY = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=2,
+                  vocab_size=200)
+
+
+@pytest.fixture(scope="module")
+def cal():
+    return calibrate(TINY, 1, repeats=1)
+
+
+def test_every_measured_time_is_positive(cal):
+    for chunk in (cal.module, cal.flat):
+        assert chunk.layers == 1
+        assert min(chunk.forward, chunk.backward, chunk.backward_input, chunk.backward_weight) > 0
+    assert min(cal.embed_forward, cal.embed_backward, cal.head_forward, cal.head_backward) > 0
+    assert cal.optimizer_per_param > 0
+
+
+def test_json_round_trip(cal):
+    assert HostCalibration.from_json(cal.to_json()) == cal
+
+
+def test_costs_follow_the_actions(cal):
+    costs = from_calibration(cal, 2)
+    zb = costs.duration(build("weipipe-zb", 2, 1))
+    fwd0 = [a for a in build("weipipe-zb", 2, 1).ranks[0] if a.kind is Kind.FORWARD and a.chunk == 0][0]
+    assert zb(fwd0) == pytest.approx(2 * cal.flat.forward + cal.embed_forward)
+
+
+def test_weight_pass_scales_with_a_full_backward_per_extra_layer():
+    t = ChunkTimes(1, 1.0, 3.0, 2.0, 1.5)
+    s = scale_chunk(t, 4)
+    assert (s.forward, s.backward, s.backward_input) == (4.0, 12.0, 8.0)
+    assert s.backward_weight == pytest.approx(1.5 + 3 * 3.0)
