@@ -181,8 +181,11 @@ def save_checkpoint(
     consumed_train_samples: int,
     consumed_valid_samples: int = 0,
     num_skipped_iterations: int = 0,
-) -> str:
-    """Write ``iter_<N>.partial`` on every rank, then publish it as ``iter_<N>``. Returns the path."""
+) -> tuple[str, bool]:
+    """Write ``iter_<N>.partial`` on every rank, then publish it as ``iter_<N>``.
+
+    Returns the checkpoint path and whether it was written (False: already published).
+    """
     from megatron.core import dist_checkpointing
 
     root = cfg.checkpoint.save
@@ -191,7 +194,7 @@ def save_checkpoint(
     rank = dist.get_rank()
     if read_tracker(root) == iteration and os.path.isdir(path):
         # Already published (e.g. a resumed run told to exit at once): never rewrite it in place.
-        return path
+        return path, False
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         for stale in [partial, *glob.glob(os.path.join(root, "iter_*.partial"))]:
@@ -222,7 +225,7 @@ def save_checkpoint(
         _fsync_dir(root)
         _write_tracker_atomically(root, iteration)
     dist.barrier()
-    return path
+    return path, True
 
 
 def _avoid_result_manager_process() -> None:

@@ -197,6 +197,9 @@ def _describe_failure(e: BaseException, watchdog) -> None:
         own = _first_line(e)
     if watchdog is None:
         report = own
+    elif hasattr(e, "quiet"):  # raised by every rank together; one of them prints it
+        watchdog.leave()
+        report = own
     else:
         line = watchdog.report_failure(e)
         report = line if line.startswith("stopping:") else own
@@ -407,7 +410,7 @@ def _run_validation(cfg, groups, schedule, forward_step, valid_iter, n_mb, state
 def _save(cfg, groups, state: TrainState, model_chunks, optimizer, scheduler) -> None:
     faults.set_phase("checkpoint save", state.iteration)
     t0 = time.time()
-    path = save_checkpoint(
+    path, written = save_checkpoint(
         cfg,
         groups,
         state.iteration,
@@ -419,5 +422,8 @@ def _save(cfg, groups, state: TrainState, model_chunks, optimizer, scheduler) ->
         num_skipped_iterations=state.skipped_iterations,
     )
     state.last_saved_iteration = state.iteration
+    if not written:
+        print_rank_0(f"  checkpoint at iteration {state.iteration:7d} is already published in {path}; not rewritten")
+        return
     print_rank_0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {path} "
                  f"[ t {time.time() - t0:.2f}s ]")

@@ -205,6 +205,17 @@ class Watchdog:
             return f"rank {self.rank} failed: {message}"
         return f"stopping: rank {first[0]} failed: {first[1]}"
 
+    def leave(self) -> None:
+        """This rank stops on an error every rank raises together (a NaN, a bad checkpoint).
+
+        Nothing is published, so no peer is cut short before printing its own copy of the
+        error; the marker keeps the neighbour's watcher from reporting this exit as a death.
+        """
+        faults.mark_failing()
+        self._safe(lambda: self._set(f"left/{self.rank}", faults.describe_phase()))
+        self.stop()
+        self._linger()
+
     def _safe(self, fn):
         try:
             return fn()
@@ -290,6 +301,8 @@ class Watchdog:
         host, pid = self._neighbour_info
         phase = self._get_if_set(f"phase/{nb}") or "an unknown phase"
         if host == self._host and not _alive(pid):
+            if self._get_if_set(f"left/{nb}") is not None:
+                return None  # it stopped on an error this rank is about to raise as well
             return f"process {pid} on {host} died (its last heartbeat: {phase}; found by rank {self.rank})"
         beats = self._add(f"beat/{nb}", 0)
         now = time.monotonic()
@@ -298,6 +311,8 @@ class Watchdog:
             return None
         silent = now - self._neighbour_seen
         if silent > self.heartbeat_timeout and not phase.startswith(_NO_HEARTBEAT_VERDICT):
+            if self._get_if_set(f"left/{nb}") is not None:
+                return None
             verdict = (f"process {pid} on {host} stopped responding: no heartbeat for {silent:.0f}s "
                        f"(its last heartbeat: {phase}; found by rank {self.rank})")
             if host == self._host:  # declared dead: make it so, rather than leave it holding its devices
