@@ -1,7 +1,9 @@
 """A NaN in one microbatch's loss: stop with its iteration, rank and microbatch, or skip the step.
 
 The NaN is injected (MEGATRON_WEIPIPE_INJECT_NAN) into the loss of microbatch 1 of
-rank 1, the last stage of a 2-stage 1F1B pipeline, in iteration 3.
+rank 1 in iteration 3: the last stage of a 2-stage 1F1B pipeline (stop), and one of the
+two WeiPipe ranks, each of which computes the loss of its own microbatches (skip). The
+hook sits in model/gpt_step.py's loss, which both schedules call.
 """
 
 import re
@@ -35,7 +37,7 @@ def test_nan_stops_the_run_naming_it():
 
 @pytest.mark.timeout(150)
 def test_nan_step_is_skipped_and_counted():
-    codes, out = _run(skip_nan_steps=True)
+    codes, out = _run(skip_nan_steps=True, pipeline_schedule="weipipe-naive")
     assert codes == [0, 0], out[-3000:]
     assert "WARNING: NaN/Inf lm loss at iteration 3 on rank 1, microbatch 1 of that rank: step skipped" in out
     counts = {
