@@ -337,6 +337,16 @@ class PretrainConfig:
                 m.seq_length % cp == 0,
                 f"--seq-length ({m.seq_length}) must be divisible by --context-parallel-size ({cp})",
             )
+        if p.context_parallel_size > 1 or self.fpdt.enabled:
+            _require(
+                m.attention_dropout == 0.0,
+                "--attention-dropout must be 0 with Ulysses/FPDT attention (--context-parallel-size > 1 or --fpdt)",
+            )
+            _require(
+                not self.data.reset_attention_mask,
+                "--reset-attention-mask is not supported with Ulysses/FPDT attention (causal masks only)",
+            )
+            _require(not p.sequence_parallel, "--sequence-parallel cannot be combined with --context-parallel-size > 1 or --fpdt")
         if self.fpdt.enabled:
             self.fpdt.validate_for(seq_length=m.seq_length, context_parallel_size=p.context_parallel_size)
         _require(p.weipipe_grad_dtype in ("fp32", "bf16"), "--weipipe-grad-dtype must be fp32 or bf16")

@@ -114,11 +114,21 @@ def build_gpt_model(
     spec=None,
 ) -> GPTModel:
     """One pipeline stage (or virtual stage) of the GPT model, on this rank's device."""
+    from megatron_weipipe.model.long_context import (
+        build_settings,
+        install_chunked_loss,
+        long_context_layer_spec,
+        uses_long_context,
+    )
+
     m = cfg.model
     tconf = build_transformer_config(cfg)
+    long_context = build_settings(cfg) if uses_long_context(cfg) else None
+    if spec is None:
+        spec = long_context_layer_spec(cfg, long_context) if long_context is not None else layer_spec(cfg)
     model = GPTModel(
         config=tconf,
-        transformer_layer_spec=spec if spec is not None else layer_spec(cfg),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         pre_process=pre_process,
@@ -134,6 +144,10 @@ def build_gpt_model(
         model.cuda(torch.cuda.current_device())
     if m.layout_invariant_init:
         reinitialize_layout_invariant(model, cfg)
+    if long_context is not None:
+        model.long_context = long_context  # read by the forward step to shard batches
+        if long_context.fpdt is not None:
+            install_chunked_loss(model, long_context.fpdt.loss_num_chunks(m.seq_length), long_context.tp_group)
     return model
 
 

@@ -13,9 +13,16 @@ def batch_to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
-def get_batch(data_iterator):
-    """tokens, labels, loss_mask, attention_mask, position_ids of the next microbatch."""
+def get_batch(data_iterator, long_context=None):
+    """tokens, labels, loss_mask, attention_mask, position_ids of the next microbatch.
+
+    Under context parallelism each rank keeps its share of the sequence (FPDT layout).
+    """
     batch = next(data_iterator)
+    if long_context is not None:
+        from megatron_weipipe.model.long_context import shard_for_context_parallel
+
+        batch = shard_for_context_parallel(batch, long_context)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     batch = batch_to_device(batch, device)
     return (
@@ -27,16 +34,35 @@ def get_batch(data_iterator):
     )
 
 
-def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Mean of the per-token losses where the mask is set: this microbatch's lm loss."""
+def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, cp_group=None):
+    """Mean of the per-token losses where the mask is set: this microbatch's lm loss.
+
+    With context parallelism each rank holds part of the sequence: the loss it returns is
+    its tokens' share of the global mean (megatron-core multiplies it by the CP size before
+    backward, and gradients are averaged over data x context parallel ranks), while the
+    reported value is the global mean itself.
+    """
     losses = per_token_loss.float().view(-1)
     mask = loss_mask.float().view(-1)
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    total = torch.sum(losses * mask)
+    count = mask.sum()
+    if cp_group is not None:
+        stats = torch.stack([total.detach(), count])
+        torch.distributed.all_reduce(stats, group=cp_group)
+        loss = total / stats[1].clamp(min=1.0)
+        reported = stats[0] / stats[1].clamp(min=1.0)
+    else:
+        loss = total / count.clamp(min=1.0)
+        reported = loss.detach()
     loss = maybe_inject_nan(loss)  # test hook (MEGATRON_WEIPIPE_INJECT_NAN); a no-op otherwise
-    return loss, {"lm loss": loss.detach().clone()}
+    if not torch.isfinite(loss.detach()):
+        reported = loss.detach()
+    return loss, {"lm loss": reported.detach().clone()}
 
 
 def forward_step(data_iterator, model):
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    long_context = getattr(getattr(model, "module", model), "long_context", None)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, long_context)
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, partial(masked_mean_loss, loss_mask)
+    cp_group = long_context.cp_group if long_context is not None and long_context.cp_size > 1 else None
+    return output, partial(masked_mean_loss, loss_mask, cp_group=cp_group)

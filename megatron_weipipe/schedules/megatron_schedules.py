@@ -90,7 +90,8 @@ class _MegatronSchedule(TrainSchedule):
                 data_iterator=iterators,
                 model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=len(microbatches),
-                seq_length=self.cfg.model.seq_length // self.groups.cp_size,
+                # megatron-core divides by the context-parallel size itself.
+                seq_length=self.cfg.model.seq_length,
                 micro_batch_size=self.cfg.training.micro_batch_size,
                 forward_only=forward_only,
             )

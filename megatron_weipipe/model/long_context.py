@@ -1,0 +1,194 @@
+"""Ulysses / FPDT inside megatron-core's GPTModel, keeping megatron-core's parameters.
+
+The attention and MLP modules stay megatron-core's own (ColumnParallelLinear /
+RowParallelLinear with their TP attributes and sharded-state-dict keys), so checkpoints,
+gradient-norm bookkeeping and layout-invariant initialisation work unchanged; only their
+forward is replaced by the chunked kernels of ``megatron_weipipe.fpdt``. With FPDT the
+output layer + cross-entropy is chunked too, so [s, V] logits never exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.fpdt import (
+    FPDTConfig,
+    RotaryConfig,
+    attention_spec_from_megatron,
+    chunked_cross_entropy,
+    chunked_mlp,
+    fpdt_attention,
+    shard_batch,
+    ulysses_attention,
+)
+from megatron_weipipe.fpdt.offload import HostBufferPool, OffloadStats
+
+
+@dataclass
+class LongContextSettings:
+    """What the forward step needs to shard a batch and reduce the loss over the CP group."""
+
+    cp_group: torch.distributed.ProcessGroup
+    tp_group: Optional[torch.distributed.ProcessGroup]
+    cp_size: int
+    cp_rank: int
+    num_chunks: int  # u: FPDT chunks (1 for plain Ulysses)
+    fpdt: Optional[FPDTConfig]
+
+
+def uses_long_context(cfg: PretrainConfig) -> bool:
+    return cfg.parallel.context_parallel_size > 1 or cfg.fpdt.enabled
+
+
+def fpdt_config(cfg: PretrainConfig) -> Optional[FPDTConfig]:
+    if not cfg.fpdt.enabled:
+        return None
+    return FPDTConfig(chunk_size=cfg.fpdt.chunk_size, offload=cfg.fpdt.offload)
+
+
+def build_settings(cfg: PretrainConfig) -> LongContextSettings:
+    from megatron.core import parallel_state as ps
+
+    fc = fpdt_config(cfg)
+    return LongContextSettings(
+        cp_group=ps.get_context_parallel_group(),
+        tp_group=ps.get_tensor_model_parallel_group() if cfg.parallel.tensor_model_parallel_size > 1 else None,
+        cp_size=cfg.parallel.context_parallel_size,
+        cp_rank=ps.get_context_parallel_rank(),
+        num_chunks=fc.num_chunks(cfg.model.seq_length) if fc is not None else 1,
+        fpdt=fc,
+    )
+
+
+def _rotary(cfg: PretrainConfig) -> Optional[RotaryConfig]:
+    if cfg.model.position_embedding_type != "rope":
+        return None
+    return RotaryConfig(base=cfg.model.rotary_base, percent=cfg.model.rotary_percent)
+
+
+def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings):
+    """megatron-core's local GPT layer spec with Ulysses/FPDT attention and (FPDT) chunked MLP."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    attention_spec = spec.submodules.self_attention
+    attention_spec.module = _attention_class(settings, _rotary(cfg))
+    if settings.fpdt is not None:
+        from megatron.core import parallel_state as ps
+
+        activation = "swiglu" if cfg.model.swiglu else "gelu"
+        mlp = spec.submodules.mlp
+        mlp.module = _mlp_class(settings.fpdt.mlp_num_chunks(cfg.model.seq_length), activation, settings.tp_group)
+        # megatron-core passes tp_group only to its own MLP class; give the subclass the same.
+        mlp.params = dict(mlp.params or {}, tp_group=ps.get_tensor_model_parallel_group())
+        logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
+            lambda record: "Unknown MLP type" not in record.getMessage()
+        )
+    return spec
+
+
+def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfig]):
+    class LongContextSelfAttention(SelfAttention):
+        """SelfAttention whose forward is Ulysses (one chunk) or FPDT (several) over the CP group."""
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            tp = 1 if settings.tp_group is None else torch.distributed.get_world_size(settings.tp_group)
+            self.spec = attention_spec_from_megatron(config, tp, rotary=rotary)
+            self.spec.validate(settings.cp_size)
+            self.pool = None
+            self.offload_stats = OffloadStats()
+
+        def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **unused):
+            # Positions come from the layout (global RoPE positions per chunk), not rotary_pos_emb.
+            if attention_mask is not None:
+                raise ValueError("Ulysses/FPDT attention is causal only; --reset-attention-mask is not supported")
+            qkv_bias = self.linear_qkv.bias
+            if settings.fpdt is None:
+                out = ulysses_attention(
+                    hidden_states, self.linear_qkv.weight, qkv_bias, self.linear_proj.weight, None,
+                    self.spec, settings.cp_group, settings.tp_group,
+                )
+            else:
+                if settings.fpdt.offload and self.pool is None:
+                    self.pool = HostBufferPool(pin_memory=hidden_states.is_cuda)
+                out = fpdt_attention(
+                    hidden_states, self.linear_qkv.weight, qkv_bias, self.linear_proj.weight, None,
+                    self.spec, settings.fpdt, settings.cp_group, settings.tp_group,
+                    pool=self.pool, stats=self.offload_stats,
+                )
+            return out, self.linear_proj.bias
+
+    return LongContextSelfAttention
+
+
+def _mlp_class(num_chunks: int, activation: str, tp_group):
+    class ChunkedSequenceMLP(MLP):
+        """megatron-core's MLP run in sequence chunks, recomputing the wide intermediate."""
+
+        def forward(self, hidden_states, *args, **kwargs):
+            out = chunked_mlp(
+                hidden_states, self.linear_fc1.weight, self.linear_fc1.bias, self.linear_fc2.weight, None,
+                activation, num_chunks, tp_group,
+            )
+            return out, self.linear_fc2.bias
+
+    return ChunkedSequenceMLP
+
+
+class _DeferredLogits:
+    """Stands in for logits: the hidden states and output weight, for a chunked loss."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
+        self.hidden, self.weight = hidden, weight
+
+
+def install_chunked_loss(model, num_chunks: int, tp_group) -> None:
+    """Make ``model(..., labels=...)`` compute the loss in sequence chunks (FPDT).
+
+    GPTModel builds [s, b, V] logits before the loss; here the output layer hands back its
+    input and weight instead, and the loss runs chunked_cross_entropy over them. Calls
+    without labels (inference) still get real logits.
+    """
+    if not getattr(model, "post_process", False):
+        return
+    output_layer = model.output_layer
+    plain_output = output_layer.forward
+    plain_model_forward = model.forward
+    state = {"labels": False}
+
+    def output_forward(input_, weight=None, runtime_gather_output=None):
+        if state["labels"]:
+            return _DeferredLogits(input_, weight if weight is not None else output_layer.weight), None
+        return plain_output(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+
+    def loss(labels, logits):
+        if isinstance(logits, _DeferredLogits):
+            return chunked_cross_entropy(logits.hidden, logits.weight, labels, num_chunks, tp_group)
+        return type(model).compute_language_model_loss(model, labels, logits)
+
+    def model_forward(*args, **kwargs):
+        state["labels"] = kwargs.get("labels") is not None
+        try:
+            return plain_model_forward(*args, **kwargs)
+        finally:
+            state["labels"] = False
+
+    output_layer.forward = output_forward
+    model.compute_language_model_loss = loss
+    model.forward = model_forward
+
+
+def shard_for_context_parallel(batch: dict, settings: LongContextSettings) -> dict:
+    """This CP rank's tokens (FPDT layout; contiguous for one chunk), positions kept global."""
+    if "position_ids" not in batch or batch["position_ids"] is None:
+        b, s = batch["tokens"].shape
+        batch = dict(batch, position_ids=torch.arange(s).unsqueeze(0).expand(b, s))
+    return shard_batch(batch, settings.cp_size, settings.cp_rank, settings.num_chunks)
