@@ -103,10 +103,13 @@ def test_1f1b_in_flight_microbatches(P, N):
     assert memory.peak_in_flight(build("1f1b", P, 1, N=N)) == tuple(min(P - r, N) for r in range(P))
 
 
-def test_weipipe_ranks_hold_the_same_and_zb_keeps_activations_until_w():
+def test_weipipe_ranks_hold_the_same_and_a_split_backward_frees_at_w_or_at_i():
     for name in ("weipipe-interleave", "weipipe-zb"):
         peaks = memory.peak_in_flight(build(name, 4, 2))
         assert len(set(peaks)) == 1 and 1 <= peaks[0] <= 8
+    zb = build("weipipe-zb", 4, 2)
+    assert memory.peak_in_flight(zb, freed_at_input=True) <= memory.peak_in_flight(zb)
+    assert memory.peak_in_flight(zb, freed_at_input=True) == memory.peak_in_flight(build("weipipe-interleave", 4, 2))
     bufs = memory.peak_buffers(build("weipipe-interleave", 4, 2))
     assert all(b.weights >= 2 and b.grads >= 1 for b in bufs)
 

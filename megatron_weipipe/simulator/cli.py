@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--zero3", action="store_true",
                      help="memory as DeepSpeed ZeRO-3 keeps it (weights, grads, Adam sharded over DP x CP)")
     par.add_argument("--weipipe-grad-dtype", default="fp32", choices=["fp32", "bf16"])
-    par.add_argument("--ideal-wgrad", action="store_true",
-                     help="price WeiPipe's weight-gradient pass as a per-layer kernel, not the runtime's second pass")
+    par.add_argument("--weipipe-weight-pass", default="stored", choices=["stored", "replay", "ideal"],
+                     help="how weipipe-zb's split backward runs: stored (the runtime's GPT training: I does both "
+                          "gradients, W adds them), replay (W is a second autograd pass), ideal (a per-layer "
+                          "weight-gradient kernel)")
     par.add_argument("--schedules", default=None,
                      help="comma list of none, 1f1b, interleaved, weipipe-naive, weipipe-interleave, weipipe-zb")
     par.add_argument("--fpdt", action="store_true")
@@ -205,11 +207,12 @@ def costs_for(args, spec, cluster):
     from .costs import FlopOptions, from_calibration, from_flops
 
     if args.calibrate or args.calibration:
-        return from_calibration(calibration_for(args, spec), spec.layers_per_chunk, recompute=spec.recompute)
+        return from_calibration(calibration_for(args, spec), spec.layers_per_chunk, recompute=spec.recompute,
+                                weight_pass=args.weipipe_weight_pass)
     lay = spec.layout
     o = FlopOptions(tp=lay.tp, cp=lay.cp, tp_link=cluster.link(0, 0),
                     cp_link=cluster.slowest_link(lay.context_ranks()), dtype_bytes=spec.compute_bytes,
-                    ideal_wgrad=args.ideal_wgrad, recompute=spec.recompute)
+                    weight_pass=args.weipipe_weight_pass, recompute=spec.recompute)
     if spec.fpdt is not None:
         from .fpdt import analyse
 
@@ -232,6 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cluster = host_cluster(args, layout.world, calibration_for(args, specs[0]))
         results = []
         for spec in specs:
+            spec = replace(spec, weight_pass=args.weipipe_weight_pass)
             from .project import simulate_run
 
             results.append(simulate_run(spec, cluster, costs_for(args, spec, cluster)))

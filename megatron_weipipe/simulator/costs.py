@@ -2,10 +2,17 @@
 
 Two sources with one shape: FLOPs over a device's sustained rate (plus memory-bound
 elementwise work and the tensor/context-parallel collectives inside a layer, which
-Megatron does not overlap), or a HostCalibration of this machine. A chunk's weight-
-gradient pass is priced the way WeiPipe's runtime runs it unless `ideal_wgrad`: a second
-autograd pass over the chunk, which for k layers redoes the full backward of the k-1
-upper layers (to reach the lower layers' weights) and the weight part of the bottom one.
+Megatron does not overlap), or a HostCalibration of this machine.
+
+A split backward (weipipe-zb's BACKWARD_INPUT / BACKWARD_WEIGHT) is priced the way the
+runtime's `weight_pass` runs it:
+- "stored" (what GPT training uses): I computes both gradients in one pass (a full
+  backward), W only adds the stored weight gradient to the travelling token;
+- "replay": I is an input-gradient pass keeping the graph, W a second autograd pass,
+  which for k layers redoes the full backward of the k-1 upper layers (to reach the
+  lower layers' weights) and the weight part of the bottom one;
+- "ideal": a per-layer weight-gradient kernel (Transformer Engine's delayed wgrad): I
+  and W cost their own FLOPs, as the schedule assumes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from megatron_weipipe.schedules.weipipe.actions import Action, Kind, Schedule
 
 from . import collectives
 from .calibrate import ChunkTimes, HostCalibration
+from .errors import SimulatorError
 from .hardware import DeviceSpec, LinkSpec
 from .shape import ModelShape
 
@@ -50,6 +58,8 @@ class CostModel:
     head_backward: float
     optimizer_per_param: float
     recompute: bool = False
+    weight_pass: str = "stored"  # how WeiPipe's runtime splits a backward (see the module doc)
+    grad_add: float = 0.0  # adding a chunk's weight gradient into the gradient token
 
     def for_layers(self, layers: int) -> "CostModel":
         return replace(self, module=scale_chunk(self.module, layers), flat=scale_chunk(self.flat, layers))
@@ -70,9 +80,10 @@ class CostModel:
             if a.kind is Kind.BACKWARD:
                 return t.backward + re + (self.embed_backward if first else 0.0)
             if a.kind is Kind.BACKWARD_INPUT:
-                return t.backward_input + re + (self.embed_backward if first else 0.0)
+                i = t.backward if self.weight_pass == "stored" else t.backward_input
+                return i + re + (self.embed_backward if first else 0.0)
             if a.kind is Kind.BACKWARD_WEIGHT:
-                return t.backward_weight
+                return self.grad_add if self.weight_pass == "stored" else t.backward_weight
             return 0.0
 
         def megatron_cost(a: Action) -> float:
@@ -87,9 +98,12 @@ class CostModel:
         return weipipe_cost if weipipe else megatron_cost
 
 
-def from_calibration(cal: HostCalibration, layers: int, recompute: bool = False) -> CostModel:
+def from_calibration(cal: HostCalibration, layers: int, recompute: bool = False,
+                     weight_pass: str = "stored") -> CostModel:
+    if weight_pass == "ideal":
+        raise SimulatorError("--weipipe-weight-pass ideal needs FLOP-based costs (a GPU preset), not --calibrate")
     base = CostModel(cal.module, cal.flat, cal.embed_forward, cal.embed_backward, cal.head_forward,
-                     cal.head_backward, cal.optimizer_per_param, recompute)
+                     cal.head_backward, cal.optimizer_per_param, recompute, weight_pass)
     return base.for_layers(layers)
 
 
@@ -100,7 +114,7 @@ class FlopOptions:
     tp_link: LinkSpec = LinkSpec("none", 1e9, 0.0)
     cp_link: LinkSpec = LinkSpec("none", 1e9, 0.0)
     dtype_bytes: int = 2
-    ideal_wgrad: bool = False  # a per-layer weight-gradient kernel instead of the runtime's second pass
+    weight_pass: str = "stored"  # stored | replay | ideal, see the module doc
     recompute: bool = False
     extra_forward: float = 0.0  # seconds added to every layer forward (e.g. FPDT chunking)
     extra_backward: float = 0.0
@@ -126,9 +140,10 @@ def layer_times(shape: ModelShape, device: DeviceSpec, o: FlopOptions) -> tuple[
 def from_flops(shape: ModelShape, device: DeviceSpec, layers: int, o: FlopOptions) -> CostModel:
     f, i, w = layer_times(shape, device, o)
     k = layers
-    wpass = k * w if o.ideal_wgrad else (k - 1) * (i + w) + w
+    wpass = k * w if o.weight_pass == "ideal" else (k - 1) * (i + w) + w
     chunk = ChunkTimes(k, k * f, k * (i + w), k * i, wpass)
     module = replace(chunk, backward_weight=k * w)
+    weights = k * shape.layer_params(o.tp)
     hbm = device.hbm_gbs * 1e9
     tokens = shape.tokens / o.cp
     vocab = shape.padded_vocab(o.tp) / o.tp
@@ -139,4 +154,6 @@ def from_flops(shape: ModelShape, device: DeviceSpec, layers: int, o: FlopOption
         module=module, flat=chunk, embed_forward=embed, embed_backward=2 * embed,
         head_forward=head_gemm + ce, head_backward=2 * head_gemm + ce,
         optimizer_per_param=OPTIMIZER_BYTES_PER_PARAM / hbm, recompute=o.recompute,
+        weight_pass="replay" if o.weight_pass == "ideal" else o.weight_pass,
+        grad_add=weights * 4 * 3 / hbm,  # read token and gradient, write token (fp32)
     )

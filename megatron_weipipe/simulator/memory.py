@@ -86,17 +86,19 @@ def logits_bytes(shape: ModelShape, tp: int = 1, cp: int = 1) -> float:
 
 # ---------------------------------------------------------------- read off the lists
 
-def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """Per rank, the most (microbatch, chunk) forwards whose backward has not finished."""
+def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ...]:
+    """Per rank, the most (microbatch, chunk) forwards whose backward has not finished (a
+    split backward frees them at W, or at I when I computes both gradients)."""
     out = []
     for acts in schedule.ranks:
         live, peak = set(), 0
-        split = any(a.kind is Kind.BACKWARD_WEIGHT for a in acts)
+        split = not freed_at_input and any(a.kind is Kind.BACKWARD_WEIGHT for a in acts)
         for a in acts:
             if a.kind is Kind.FORWARD:
                 live.add((a.mb, a.chunk))
                 peak = max(peak, len(live))
-            elif a.kind is Kind.BACKWARD or (split and a.kind is Kind.BACKWARD_WEIGHT):
+            elif a.kind is Kind.BACKWARD or (a.kind is Kind.BACKWARD_WEIGHT if split
+                                                else a.kind is Kind.BACKWARD_INPUT):
                 live.discard((a.mb, a.chunk))
         out.append(peak)
     return tuple(out)

@@ -54,6 +54,7 @@ class RunSpec:
     dropout: bool = True
     fpdt: Optional[FPDTSpec] = None
     lookahead: int = 1
+    weight_pass: str = "stored"  # WeiPipe's split backward: activations freed at I ("stored") or at W
 
     @property
     def num_microbatches(self) -> int:
@@ -309,7 +310,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     k = spec.layers_per_chunk
     per_layer = memory.layer_activation_bytes(s, act_opts)
     per_input = memory.layer_input_bytes(s, act_opts)
-    in_flight = memory.peak_in_flight(schedule)
+    in_flight = memory.peak_in_flight(schedule, freed_at_input=spec.weight_pass == "stored")
     buffers = memory.peak_buffers(schedule, spec.lookahead) if spec.is_weipipe else None
     chunk = spec.chunk_params()
     logits = memory.logits_bytes(s, lay.tp, lay.cp)

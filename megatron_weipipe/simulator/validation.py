@@ -2,10 +2,11 @@
 
 For every (ranks, sequence length) block and every round: calibrate (real megatron-core
 layers of the shape, timed in CPU seconds; gloo's speed) with `tools/simulate.py
---calibrate --measure-host`; then, for each schedule in turn, sample how loaded the
-host is (3 s), predict with that background load from the block's calibration, and run
-the schedule for real with torchrun. The schedule order rotates per round. Each
-prediction is paired with the run right after it; the table reports medians over
+--calibrate --measure-host`; then, for each schedule in turn, run it for real with
+torchrun, sampling how loaded the host is (other engineers' jobs: a 4 s spin right
+before and right after the run), and predict from the block's calibration with the mean
+of the two samples as background load. The schedule order rotates per round. Each
+prediction is paired with its run; the table reports medians over
 rounds, the measurement spread, the CPU time per iteration (predicted work against the
 ranks' measured process time, which does not depend on the load), and the byte counter
 against the predicted bytes (exact).
@@ -87,16 +88,18 @@ def run_validation(path: str, rounds: int = 3, blocks=BLOCKS, schedules=SCHEDULE
             with open(cal) as f:
                 calibration = json.load(f)
             for name in order:
-                share, others = background_now()
-                background = background_tasks(share, others, cores)
-                pred, host = _simulate(flags + ["--calibration", cal, "--host-background", f"{background:.3f}"])
+                before = background_tasks(*background_now(4.0), cores)
                 run = real_run(shape, block.ranks, name, gbs)
+                after = background_tasks(*background_now(4.0), cores)
+                background = (before + after) / 2
+                pred, host = _simulate(flags + ["--calibration", cal, "--host-background", f"{background:.3f}"])
                 p = pred[name]
                 record = {"round": rnd, "ranks": block.ranks, "seq_length": block.seq_length, "schedule": name,
                           "predicted_ms": p["iteration_s"] * 1e3, "measured_ms": run.elapsed_ms,
                           "predicted_cpu_ms": [w * 1e3 for w in p["work_s"]], "measured_cpu_ms": list(run.cpu_ms),
                           "predicted_counter": p["counter"], "measured_sent": run.sent, "log_sent": run.log_sent,
-                          "background": background, "probe_share": share, "run_cpu_share": run.cpu_share,
+                          "background": background, "background_before": before, "background_after": after,
+                          "run_cpu_share": run.cpu_share,
                           "calibration_share": calibration["cpu_share"], "host": host, "command": run.command,
                           "loadavg": os.getloadavg()[0], "time": time.time()}
                 with open(path, "a") as f:
