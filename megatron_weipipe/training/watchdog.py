@@ -299,30 +299,33 @@ class Watchdog:
             self._neighbour_info = (host, int(pid))
             self._neighbour_seen = time.monotonic()
         host, pid = self._neighbour_info
-        phase = self._get_if_set(f"phase/{nb}") or "an unknown phase"
         if host == self._host and not _alive(pid):
             if self._get_if_set(f"left/{nb}") is not None:
                 return None  # it stopped on an error this rank is about to raise as well
-            return f"process {pid} on {host} died (its last heartbeat: {phase}; found by rank {self.rank})"
+            return f"process {pid} on {host} died (its last heartbeat: {self._phase_of(nb)}; found by rank {self.rank})"
         beats = self._add(f"beat/{nb}", 0)
         now = time.monotonic()
         if beats != self._neighbour_beats:
             self._neighbour_beats, self._neighbour_seen = beats, now
             return None
         silent = now - self._neighbour_seen
-        if silent > self.heartbeat_timeout and not phase.startswith(_NO_HEARTBEAT_VERDICT):
-            if self._get_if_set(f"left/{nb}") is not None:
-                return None
-            verdict = (f"process {pid} on {host} stopped responding: no heartbeat for {silent:.0f}s "
-                       f"(its last heartbeat: {phase}; found by rank {self.rank})")
-            if host == self._host:  # declared dead: make it so, rather than leave it holding its devices
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    verdict += "; killed"
-                except OSError:
-                    pass
-            return verdict
-        return None
+        if silent <= self.heartbeat_timeout:
+            return None
+        phase = self._phase_of(nb)
+        if phase.startswith(_NO_HEARTBEAT_VERDICT) or self._get_if_set(f"left/{nb}") is not None:
+            return None
+        verdict = (f"process {pid} on {host} stopped responding: no heartbeat for {silent:.0f}s "
+                   f"(its last heartbeat: {phase}; found by rank {self.rank})")
+        if host == self._host:  # declared dead: make it so, rather than leave it holding its devices
+            try:
+                os.kill(pid, signal.SIGKILL)
+                verdict += "; killed"
+            except OSError:
+                pass
+        return verdict
+
+    def _phase_of(self, rank: int) -> str:
+        return self._get_if_set(f"phase/{rank}") or "an unknown phase"
 
 
 def _alive(pid: int) -> bool:
