@@ -4,11 +4,13 @@ The three schedules train the same model (same initialisation, same data stream)
 the same two processes (a pipeline / ring of P=2, one process per core), one training
 iteration each in turn (rotating the order every round), after a warm-up round; each
 timing is the slowest rank's, between barriers. Reported per sequence length: median
-tokens/s of each schedule, the median of the per-round ratios to 1F1B, and the bytes
-each rank sends per iteration by kind (activations / weights / gradients /
-collectives), from the byte counter of the log line. The last line names the shortest
-sequence at which WeiPipe moves fewer bytes than 1F1B. See shared/design/MEASURING.md:
-only ratios within one run and byte counts mean anything on shared CPUs.
+tokens/s of each schedule, the median of the per-round ratios to 1F1B, the CPU seconds
+a rank spends per iteration (process time, slowest rank: the work, whatever else shares
+the cores), and the bytes each rank sends per iteration by kind (activations / weights /
+gradients / collectives) from the byte counter of the log line. The last lines name the
+shortest sequence at which WeiPipe moves fewer bytes than 1F1B. See
+shared/design/MEASURING.md: only ratios within one run, and counts, mean anything on
+shared CPUs.
 
 Attention is torch's scaled_dot_product_attention (the CPU flash kernel) in place of
 megatron-core's unfused local attention, whose s x s score matrix would not fit at 16K;
@@ -132,18 +134,20 @@ def _rank(rank: int, world: int, a) -> dict:
         vocab = padded_vocab_size(tokenizer.vocab_size, 128, 1)
         trainers = {n: Trainer(n, seq, a, groups, vocab, tokenizer) for n in SCHEDULES}
         times = {n: [] for n in SCHEDULES}
+        cpu = {n: [] for n in SCHEDULES}
         sent = {}
         for r in range(a.rounds + 1):  # round 0 is the warm-up
             order = SCHEDULES[r % 3:] + SCHEDULES[:r % 3]
             for n in order:
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 sent[n] = trainers[n].step()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 if r > 0:
-                    times[n].append(dt.item())
-        results[seq] = {"times": times, "sent": sent}
+                    times[n].append(dt[0].item())
+                    cpu[n].append(dt[1].item())
+        results[seq] = {"times": times, "cpu": cpu, "sent": sent}
         del trainers
     return results
 
@@ -155,11 +159,12 @@ def _fmt_mb(n: float) -> str:
 def report(per_rank: list[dict], a) -> str:
     tokens = a.micro_batch * a.microbatches  # samples per iteration, times seq below
     head = ("| seq | tokens/s 1f1b | tokens/s wp-interleave (x 1f1b) | tokens/s wp-zb (x 1f1b) "
-            "| MiB sent/rank/iter 1f1b | wp-interleave | wp-zb |")
-    lines = [head, "|" + "---|" * 7]
+            "| CPU s/iter 1f1b / wp-int / wp-zb | MiB sent/rank/iter 1f1b | wp-interleave | wp-zb |")
+    lines = [head, "|" + "---|" * 8]
     crossover = {}
     for seq in a.seqs:
         times = per_rank[0][seq]["times"]
+        cpu = " / ".join(f"{statistics.median(per_rank[0][seq]['cpu'][n]):.2f}" for n in SCHEDULES)
         tps = {n: tokens * seq / statistics.median(times[n]) for n in SCHEDULES}
         ratio = {n: statistics.median(b / t for b, t in zip(times["1f1b"], times[n])) for n in SCHEDULES}
         # bytes: mean over ranks of the total each rank sends, by kind
@@ -181,7 +186,7 @@ def report(per_rank: list[dict], a) -> str:
 
         lines.append(
             f"| {seq} | {tps['1f1b']:.0f} | {tps['weipipe-interleave']:.0f} ({ratio['weipipe-interleave']:.2f}) "
-            f"| {tps['weipipe-zb']:.0f} ({ratio['weipipe-zb']:.2f}) | {cell('1f1b')} | {cell('weipipe-interleave')} "
+            f"| {tps['weipipe-zb']:.0f} ({ratio['weipipe-zb']:.2f}) | {cpu} | {cell('1f1b')} | {cell('weipipe-interleave')} "
             f"| {cell('weipipe-zb')} |"
         )
     for n in SCHEDULES[1:]:
@@ -201,11 +206,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
     p.add_argument("--timeout", type=float, default=3000)
     a = p.parse_args()
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     per_rank = run_distributed(_rank, 2, a, timeout=a.timeout, env={"OMP_NUM_THREADS": "1"})
     print(f"# {time.strftime('%Y-%m-%d')}: P=2 ranks, 1 thread each; layers={a.layers} hidden={a.hidden} "
           f"heads={a.heads} micro-batch={a.micro_batch} microbatches/iter={a.microbatches}; float32; "
-          f"median of {a.rounds} rounds after 1 warm-up; wall {time.time() - t0:.0f}s")
+          f"median of {a.rounds} rounds after 1 warm-up; wall {time.time() - t0:.0f}s; "
+          f"host load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print("# command: OMP_NUM_THREADS=1 python " + " ".join(sys.argv))
     print(report(per_rank, a))
 
