@@ -53,14 +53,20 @@ def replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 @torch.no_grad()
-def make_ring_replicas(model: nn.Module, ring_rank: int, ring_group, ring_src: int) -> None:
+def make_ring_replicas(model: nn.Module, ring_rank: int, ring_group, ring_src: int,
+                       embedding_summed: bool = False) -> None:
     """Give every ring rank ring rank 0's replicated parameters and mark the copies.
 
     With layout-invariant initialisation the copies are already equal; the broadcast
-    makes that hold for megatron-core's per-stage initialisation too (and undoes the
-    embedding-group all-reduce megatron-core runs at construction on the first and
-    last stage). Must run before the optimizer is built: it copies `shared`.
+    makes that hold for megatron-core's per-stage initialisation too. There, with tied
+    embeddings, megatron-core's constructor has all-reduced the word embedding between
+    the first and last stage, assuming the last stage's copy was zero; here both were
+    drawn, so (`embedding_summed`) the sum of two independent draws is scaled by 1/sqrt(2)
+    to keep the initialisation's distribution. Must run before the optimizer is built:
+    the optimizer copies `shared`.
     """
+    if embedding_summed and ring_rank == 0:
+        model.shared_embedding_or_output_weight().data.mul_(0.5 ** 0.5)
     for _, p in replicated_parameters(model):
         dist.broadcast(p.data, src=ring_src, group=ring_group)
         if ring_rank != 0:

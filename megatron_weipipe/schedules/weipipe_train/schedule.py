@@ -91,7 +91,9 @@ class WeiPipeSchedule(TrainSchedule):
 
         g = self.groups
         model = model_provider(pre_process=True, post_process=True)
-        make_ring_replicas(model, g.pp_rank, g.pipeline, dist.get_global_rank(g.pipeline, 0))
+        make_ring_replicas(model, g.pp_rank, g.pipeline, dist.get_global_rank(g.pipeline, 0),
+                           embedding_summed=model.share_embeddings_and_output_weights
+                           and not self.cfg.model.layout_invariant_init)
         # The owner's gradient is complete only when the schedule ends; DDP reduces it then.
         conf = dataclasses.replace(ddp_config(self.cfg), overlap_grad_reduce=False)
         self.model_chunks = [DistributedDataParallel(config=model.config, ddp_config=conf, module=model)]
