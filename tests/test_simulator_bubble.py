@@ -114,3 +114,14 @@ def test_unmatched_lists_are_an_error():
     ranks[1] = [a for a in ranks[1] if a.kind is not Kind.RECV]
     with pytest.raises(SimulatorError):
         replay(s.replace_ranks(ranks), _model(s))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "weipipe-interleave"])
+def test_host_cpu_of_messages_is_charged_to_both_ends(name):
+    s = build(name, 2, 2)
+    costly = LinkSpec("gloo", 1e3, 0.0, cpu_s_per_byte=1e-9)
+    free = replay(s, _model(s, link=FREE, nbytes=10**6))
+    paid = replay(s, _model(s, link=costly, nbytes=10**6))
+    messages = sum(1 for a in s.all_actions() if a.kind is Kind.SEND)
+    assert sum(paid.work) - sum(free.work) == pytest.approx(messages * 1e-3)
+    assert paid.makespan > free.makespan

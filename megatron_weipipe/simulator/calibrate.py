@@ -1,9 +1,11 @@
 """Measure this host: time real megatron-core layers of the run's shape, in one process.
 
 What is timed is what the runtimes execute per microbatch:
-- a decoder chunk of k layers called as modules (Megatron's 1F1B stages) and through
-  flat weight views with torch.func.functional_call (WeiPipe's runtime): forward, full
-  backward, input-gradient pass and the weight-gradient pass that follows it;
+- a decoder chunk of k layers called as modules (Megatron's 1F1B stages: backward into
+  .grad, megatron-core DDP's hooks adding it to main_grad) and through flat weight views
+  with torch.func.functional_call (WeiPipe's runtime: one grad call, the weight gradient
+  added to a token): forward, full backward, input-gradient pass and the weight-gradient
+  pass after it;
 - the embedding, and the final norm + output layer + loss (forward and backward);
 - megatron-core's optimizer step (gradient norm, clipping, Adam) per parameter.
 Times are CPU seconds (process time), medians of repeats after a warm-up, single-
@@ -54,6 +56,7 @@ class HostCalibration:
     host_cores: int = 1
     gloo_gbs: Optional[float] = None  # gloo send/recv between two processes here, when measured
     gloo_latency_us: Optional[float] = None
+    gloo_cpu_s_per_byte: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -140,15 +143,25 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
         layout = FlatLayout.from_module(stack)
         x0 = torch.randn(s, b, h, generator=gen)
         dy = torch.randn(s, b, h, generator=gen)
+        token = torch.zeros(layout.numel)
+
+        def megatron_backward(y, x, ws):  # autograd.backward: .grad, then DDP's hooks add it to main_grad
+            torch.autograd.backward(y, dy)
+
+        def weipipe_backward(y, x, ws):  # WeiPipeRuntime: one grad call, the result added to the token
+            _, dw = torch.autograd.grad(y, [x] + ws, dy)
+            token.add_(dw)
+
         probes = {
             "embed": _embedding_probe(model, tokens, positions),
-            "module": _chunk_probe(lambda x, ws: stack(x), lambda: list(stack.parameters()), x0, dy),
+            "module": _chunk_probe(lambda x, ws: stack(x), lambda: list(stack.parameters()), x0, dy,
+                                   megatron_backward),
             "flat": _chunk_probe(
                 lambda x, ws: torch.func.functional_call(stack, layout.views(ws[0]), (x,)),
-                lambda: [layout.flatten(stack).requires_grad_(True)], x0, dy),
+                lambda: [layout.flatten(stack).requires_grad_(True)], x0, dy, weipipe_backward),
             "head": _head_probe(model, x0, labels),
         }
-        if time_optimizer:
+        if time_optimizer:  # wraps the model in megatron-core's DDP: its grad hooks then run in "module"
             probes["optimizer"], n_params = _optimizer_probe(cfg, model)
         _SHARE["wall"] = _SHARE["cpu"] = 0.0
         before = cpu_jiffies()
@@ -212,8 +225,9 @@ def _embedding_probe(model, tokens, positions):
     return probe
 
 
-def _chunk_probe(run, weights, x0, dy):
-    """Forward; full backward; then again with an input-only pass and the weight pass after it."""
+def _chunk_probe(run, weights, x0, dy, full_backward):
+    """Forward; full backward (as the runtime runs it); then again with an input-only pass
+    and the weight pass after it."""
     import torch
 
     def probe() -> dict:
@@ -228,7 +242,7 @@ def _chunk_probe(run, weights, x0, dy):
                 out["backward_input"] = _clock(lambda: torch.autograd.grad(y, [x], dy, retain_graph=True))
                 out["backward_weight"] = _clock(lambda: torch.autograd.grad(y, ws, dy))
             else:
-                out["backward"] = _clock(lambda: torch.autograd.grad(y, [x] + ws, dy))
+                out["backward"] = _clock(lambda: full_backward(y, x, ws))
         out["forward"] = min(fwd)
         return out
 

@@ -171,7 +171,8 @@ def calibration_for(args, spec):
                 from .hostprobe import gloo_link
 
                 g = gloo_link()
-                c = _replace(c, gloo_gbs=g.bandwidth_gbs, gloo_latency_us=g.latency_us)
+                c = _replace(c, gloo_gbs=g.bandwidth_gbs, gloo_latency_us=g.latency_us,
+                             gloo_cpu_s_per_byte=g.cpu_s_per_byte)
             _CALIBRATIONS[key] = c
             cal.save(c, args.calibration)
     return _CALIBRATIONS[key]
@@ -191,7 +192,8 @@ def host_cluster(args, world: int, calibration):
         background = background_tasks(calibration.cpu_share, calibration.others_cores, int(cores))
     link = LINKS["loopback"]
     if calibration.gloo_gbs:
-        link = LinkSpec("gloo-loopback", calibration.gloo_gbs, calibration.gloo_latency_us or 0.0)
+        link = LinkSpec("gloo-loopback", calibration.gloo_gbs, calibration.gloo_latency_us or 0.0,
+                        calibration.gloo_cpu_s_per_byte)
     print(f"host: {world} ranks on {cores:g} cores with {background:.1f} other busy tasks (calibration got "
           f"{calibration.cpu_share:.0%} of a core); gloo {link.bandwidth_gbs:.2f} GB/s, "
           f"{link.latency_us:.0f} us per message")

@@ -59,7 +59,7 @@ class Trace:
     per_rank: tuple[tuple[TimedAction, ...], ...]
     transfers: tuple[Transfer, ...]
     finish: tuple[float, ...]  # per rank: list done and its sends delivered
-    work: tuple[float, ...]  # per rank: compute seconds at full speed
+    work: tuple[float, ...]  # per rank: compute seconds at full speed (and host CPU of messages)
 
     @property
     def makespan(self) -> float:
@@ -135,6 +135,8 @@ class _Rank:
     timed: list = field(default_factory=list)
     post_at: dict = field(default_factory=dict)  # action index -> RECV indices whose irecv is posted there
     drained: bool = False
+    tail: float = 0.0  # host CPU the finished wait's messages still cost (gloo copies), run after it
+    in_tail: bool = False
 
 
 def _match(schedule: Schedule) -> tuple[dict, dict]:
@@ -245,6 +247,20 @@ def replay(schedule: Schedule, model: EventModel) -> Trace:
             try_start(m)
         return key
 
+    def comm_cpu(r: int, i: int) -> float:
+        """This side's half of the host CPU a message costs (0 unless the link says so)."""
+        a = lists[r][i]
+        src, dst = (r, a.peer) if a.kind is Kind.SEND else (a.peer, r)
+        cpb = model.link(src, dst).cpu_s_per_byte
+        if not cpb:
+            return 0.0
+        m = lists[src][send_key.get((r, i), (r, i))[1]] if a.kind is Kind.SEND else lists[src][recv_key[(r, i)][1]]
+        return 0.5 * cpb * model.message_bytes(m)
+
+    def start_compute(st: _Rank, r: int, seconds: float, now: float, tail: bool) -> None:
+        st.mode, st.remaining, st.started, st.in_tail = "compute", seconds, now, tail
+        work[r] += seconds
+
     def rate(r: int, computing: list[int]) -> float:
         if model.cores_per_host is None or model.host_of is None:
             return 1.0
@@ -272,6 +288,7 @@ def replay(schedule: Schedule, model: EventModel) -> Trace:
                     a = acts[i]
                     keys.add(post_send(r, i, now) if a.kind is Kind.SEND else post_recv(r, i, now))
                 st.mode, st.waiting, st.wait_from, st.wait_actions = "wait", keys, now, list(payload)
+                st.tail = sum(comm_cpu(r, i) for i in payload)
                 st.pc += 1
                 return
             i = payload
@@ -280,17 +297,20 @@ def replay(schedule: Schedule, model: EventModel) -> Trace:
             a = acts[i]
             if a.kind is Kind.SEND:
                 post_send(r, i, now)
+                cw = comm_cpu(r, i)
+                if cw > 0:
+                    start_compute(st, r, cw, now, tail=False)
+                    return
                 st.timed.append(TimedAction(a, now, now))
                 st.pc += 1
             elif a.kind is Kind.RECV:
                 key = post_recv(r, i, now)
                 st.mode, st.waiting, st.wait_from, st.wait_actions = "wait", {key}, now, [i]
+                st.tail = comm_cpu(r, i)
                 st.pc += 1
                 return
             elif a.kind in COMPUTE_KINDS and model.duration(a) > 0:
-                d = model.duration(a)
-                st.mode, st.remaining, st.started = "compute", d, now
-                work[r] += d
+                start_compute(st, r, model.duration(a), now, tail=False)
                 return
             else:
                 st.timed.append(TimedAction(a, now, now))
@@ -302,6 +322,9 @@ def replay(schedule: Schedule, model: EventModel) -> Trace:
                 for i in st.wait_actions:
                     st.timed.append(TimedAction(lists[r][i], st.wait_from, now))
                 st.mode, st.waiting, st.wait_actions = "ready", set(), []
+                if st.tail > 0:
+                    start_compute(st, r, st.tail, now, tail=True)
+                    st.tail = 0.0
 
     now = 0.0
     started = [False] * P
@@ -338,9 +361,12 @@ def replay(schedule: Schedule, model: EventModel) -> Trace:
         for r in computing:
             st = ranks[r]
             if st.remaining <= EPS * max(1.0, now):
+                st.mode, st.remaining = "ready", 0.0
+                if st.in_tail:  # the CPU side of messages already received: no action of its own
+                    st.in_tail = False
+                    continue
                 a = lists[r][st.steps[st.pc][1]]
                 st.timed.append(TimedAction(a, st.started, now))
-                st.mode, st.remaining = "ready", 0.0
                 st.pc += 1
     return Trace(
         per_rank=tuple(tuple(st.timed) for st in ranks),

@@ -62,6 +62,7 @@ class LinkSpec:
     name: str
     bandwidth_gbs: float  # per GPU, per direction, GB/s (1e9 bytes)
     latency_us: float
+    cpu_s_per_byte: float = 0.0  # host CPU a transfer costs, sender and receiver together (gloo on a CPU host)
 
     def validate(self) -> "LinkSpec":
         require(self.bandwidth_gbs > 0, f"link {self.name}: bandwidth must be positive")

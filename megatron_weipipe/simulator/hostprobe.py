@@ -5,7 +5,9 @@ other jobs, so ranks slow each other down when they compute at the same time. Th
 replay models fair sharing: with k ranks computing and B other CPU-bound tasks, each
 rank runs at min(1, cores / (k + B)). B comes from the calibration itself (the CPU time
 its process got per wall second, and what /proc/stat says the others used meanwhile).
-`gloo_link` times gloo send/recv between two processes (TCP on one host).
+`gloo_link` times gloo send/recv between two processes (TCP on one host), and the CPU
+time the two processes spend per byte (copies through the socket), which competes with
+compute on a host with few cores.
 """
 
 from __future__ import annotations
@@ -67,19 +69,19 @@ _PINGPONG = textwrap.dedent("""
     import json, sys, time, torch, torch.distributed as dist
     rank, path, sizes, reps = int(sys.argv[1]), sys.argv[2], [int(v) for v in sys.argv[3].split(",")], int(sys.argv[4])
     dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
-    out = {}
+    out, cpu = {}, {}
     for n in sizes:
         t = torch.zeros(n // 4)
         for i in range(reps + 1):
             if i == 1:
-                dist.barrier(); t0 = time.perf_counter()
+                dist.barrier(); t0 = time.perf_counter(); c0 = time.process_time()
             if rank == 0:
                 dist.send(t, 1); dist.recv(t, 1)
             else:
                 dist.recv(t, 0); dist.send(t, 0)
         out[n] = (time.perf_counter() - t0) / reps / 2
-    if rank == 0:
-        print(json.dumps(out))
+        cpu[n] = (time.process_time() - c0) / reps / 2
+    print(json.dumps({"time": out, "cpu": cpu}))
     dist.destroy_process_group()
 """)
 
@@ -92,9 +94,11 @@ def gloo_link(small: int = 1 << 12, large: int = 1 << 24, reps: int = 20) -> Lin
         procs = [subprocess.Popen([sys.executable, "-c", _PINGPONG, str(r), path, sizes, str(reps)],
                                   stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
                  for r in range(2)]
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    times = {int(k): v for k, v in json.loads(outs[0].strip().splitlines()[-1]).items()}
+        outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+    times = {int(k): v for k, v in outs[0]["time"].items()}
     t_small, t_large = times[small], times[large]
     bandwidth = (large - small) / max(t_large - t_small, 1e-9)
     latency = max(t_small - small / bandwidth, 0.0)
-    return LinkSpec("gloo-loopback", bandwidth / 1e9, latency * 1e6)
+    # CPU both processes spent per message byte (sender and receiver together)
+    cpu = sum(o["cpu"][str(large)] for o in outs) / large
+    return LinkSpec("gloo-loopback", bandwidth / 1e9, latency * 1e6, cpu_s_per_byte=cpu)

@@ -63,11 +63,13 @@ class Variant:
 WEIPIPE_VARIANTS = (
     Variant("as the paper ran it: 1F1B recomputes, WeiPipe does not", "--recompute-granularity full", ""),
     Variant("neither recomputes", "", ""),
+    Variant("neither recomputes, vocabulary 512 (no output-layer load on 1F1B's last stage)",
+            "--vocab-size 512", "--vocab-size 512"),
 )
 
 
 def weipipe_table(gpus=(8, 16, 32)) -> str:
-    lines = ["| cluster | GPUs | variant | 1F1B iteration | WeiPipe-Interleave iteration | WeiPipe-zb iteration | "
+    lines = ["| cluster | GPUs | variant | 1F1B iteration | WeiPipe-Interleave iteration | WeiPipe-zb (ideal W) | "
              "predicted gain (Interleave) | paper (up to) | peak memory 1F1B / WeiPipe |",
              "|---|---|---|---|---|---|---|---|---|"]
     commands = []
@@ -76,16 +78,18 @@ def weipipe_table(gpus=(8, 16, 32)) -> str:
             for v in WEIPIPE_VARIANTS:
                 base = f"{WEIPIPE_MODEL} {hw} --pipeline-model-parallel-size {n} --global-batch-size {4 * n}"
                 mega = f"{base} --schedules 1f1b {v.megatron_flags}".strip()
-                wei = f"{base} --schedules weipipe-interleave,weipipe-zb {v.weipipe_flags}".strip()
+                wei = f"{base} --schedules weipipe-interleave {v.weipipe_flags}".strip()
+                zbc = f"{base} --schedules weipipe-zb --weipipe-weight-pass ideal {v.weipipe_flags}".strip()
                 (one,), _ = run_command(mega)
-                (inter, zb), _ = run_command(wei)
+                (inter,), _ = run_command(wei)
+                (zb,), _ = run_command(zbc)
                 gain = one.iteration_s / inter.iteration_s - 1
                 lines.append(
                     f"| {cluster} | {n} | {v.name} | {one.iteration_s:.2f} s | {inter.iteration_s:.2f} s | "
                     f"{zb.iteration_s:.2f} s | {gain:+.1%} | {WEIPIPE_PAPER[cluster]:+.1%} | "
                     f"{one.peak_memory / 2**30:.0f} / {inter.peak_memory / 2**30:.0f} GiB |")
                 if n == gpus[-1]:
-                    commands += [f"python tools/simulate.py {mega}", f"python tools/simulate.py {wei}"]
+                    commands += [f"python tools/simulate.py {c}" for c in (mega, wei, zbc)]
     return "\n".join(lines + ["", "Commands (largest size; others differ in the PP size and batch):", ""]
                      + [f"    {c}" for c in commands])
 
