@@ -21,7 +21,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from .hostprobe import cpu_jiffies, others_cores
@@ -57,12 +57,21 @@ class HostCalibration:
     gloo_gbs: Optional[float] = None  # gloo send/recv between two processes here, when measured
     gloo_latency_us: Optional[float] = None
     gloo_cpu_s_per_byte: float = 0.0
+    clock: str = "cpu"  # what the structured fields hold: "cpu" seconds or "wall" seconds
+    ranks: int = 1  # processes that calibrated at the same time (wall times then include their contention)
+    medians: dict = field(default_factory=dict)  # name -> {"cpu": s, "wall": s}
+
+    def in_clock(self, clock: str) -> "HostCalibration":
+        """The same calibration with its times in CPU or in wall seconds."""
+        med = {k: v[clock] for k, v in self.medians.items()}
+        return replace(self, clock=clock, **_fields(med, self.module.layers, self.optimizer_per_param > 0,
+                                                    self.medians.get("params", {}).get(clock, 1.0)))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "HostCalibration":
+    def from_json(cls, text: str) -> "HostCalibration":  # noqa: D102
         d = json.loads(text)
         d["shape"] = ModelShape(**d["shape"])
         d["module"] = ChunkTimes(**d["module"])
@@ -168,20 +177,29 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
         samples = _rounds(probes, repeats)
         share = _SHARE["cpu"] / _SHARE["wall"] if _SHARE["wall"] > 0 else 1.0
         others = others_cores(before, cpu_jiffies(), share, os.cpu_count() or 1)
-    med = {key: statistics.median(v) for key, v in samples.items()}
-    spread = {key: round((max(v) - min(v)) / med[key], 3) if med[key] else 0.0 for key, v in samples.items()}
+    medians = {key: {clock: statistics.median(t[i] for t in v) for i, clock in enumerate(("cpu", "wall"))}
+               for key, v in samples.items()}
+    if time_optimizer:
+        medians["params"] = {"cpu": float(n_params), "wall": float(n_params)}
+    spread = {key: round((max(t[0] for t in v) - min(t[0] for t in v)) / medians[key]["cpu"], 3)
+              if medians[key]["cpu"] else 0.0 for key, v in samples.items()}
+    cpu = {k: v["cpu"] for k, v in medians.items()}
+    return HostCalibration(
+        shape=shape, repeats=repeats, spread=spread, cpu_share=min(1.0, share), others_cores=others,
+        host_cores=os.cpu_count() or 1, medians=medians,
+        **_fields(cpu, k, time_optimizer, float(n_params) if time_optimizer else 1.0),
+    )
 
+
+def _fields(med: dict, k: int, optimizer: bool, n_params: float) -> dict:
     def chunk(name: str) -> ChunkTimes:
         return ChunkTimes(k, med[f"{name}.forward"], med[f"{name}.backward"], med[f"{name}.backward_input"],
                           med[f"{name}.backward_weight"])
 
-    return HostCalibration(
-        shape=shape, module=chunk("module"), flat=chunk("flat"), embed_forward=med["embed.forward"],
-        embed_backward=med["embed.backward"], head_forward=med["head.forward"],
-        head_backward=med["head.backward"], repeats=repeats, spread=spread, cpu_share=min(1.0, share),
-        others_cores=others, host_cores=os.cpu_count() or 1,
-        optimizer_per_param=med["optimizer.step"] / n_params if time_optimizer else 0.0,
-    )
+    return dict(module=chunk("module"), flat=chunk("flat"), embed_forward=med["embed.forward"],
+                embed_backward=med["embed.backward"], head_forward=med["head.forward"],
+                head_backward=med["head.backward"],
+                optimizer_per_param=med["optimizer.step"] / n_params if optimizer else 0.0)
 
 
 def _rounds(probes: dict, repeats: int) -> dict[str, list[float]]:
@@ -189,7 +207,7 @@ def _rounds(probes: dict, repeats: int) -> dict[str, list[float]]:
     machine's load (it is shared) hits every quantity alike."""
     for probe in probes.values():
         probe()
-    out: dict[str, list[float]] = {}
+    out: dict[str, list] = {}
     for _ in range(repeats):
         for name, probe in probes.items():
             for key, t in probe().items():
@@ -200,15 +218,15 @@ def _rounds(probes: dict, repeats: int) -> dict[str, list[float]]:
 _SHARE = {"wall": 0.0, "cpu": 0.0}
 
 
-def _clock(fn) -> float:
-    """CPU seconds of fn (this process, all its threads); wall seconds are summed aside
-    to measure the share of a core the process got while the host was shared."""
+def _clock(fn) -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) of fn; both are also summed to measure
+    the share of a core the process got while the host was shared."""
     w0, c0 = time.perf_counter(), time.process_time()
     fn()
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     _SHARE["wall"] += wall
     _SHARE["cpu"] += cpu
-    return cpu
+    return cpu, wall
 
 
 def _embedding_probe(model, tokens, positions):
@@ -333,3 +351,51 @@ def save(cal: HostCalibration, path: Optional[str]) -> None:
     if path:
         with open(path, "w") as f:
             f.write(cal.to_json())
+
+
+def calibrate_concurrently(shape: ModelShape, layers_per_chunk: int, ranks: int, *,
+                           repeats: int = 5) -> HostCalibration:
+    """`ranks` processes calibrate at the same time, as the ranks of a run on this host
+    compute at the same time; their medians are averaged and the structured fields hold
+    wall seconds (which then include the ranks' contention and whatever else the host
+    runs), CPU seconds stay in `medians`."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        spec = os.path.join(d, "shape.json")
+        with open(spec, "w") as f:
+            json.dump(asdict(shape), f)
+        procs = []
+        for i in range(ranks):
+            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(20000 + (os.getpid() * 7 + i) % 20000))
+            out = os.path.join(d, f"cal{i}.json")
+            procs.append((subprocess.Popen([sys.executable, "-m", "megatron_weipipe.simulator.calibrate", spec,
+                                            str(layers_per_chunk), str(repeats), out], env=env,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out))
+        cals = []
+        for p, out in procs:
+            _, err = p.communicate(timeout=3600)
+            if p.returncode != 0:
+                raise RuntimeError("calibration worker failed: " + (err.strip().splitlines() or ["?"])[-1])
+            cals.append(load(out))
+    keys = set.intersection(*(set(c.medians) for c in cals))
+    medians = {k: {clock: statistics.mean(c.medians[k][clock] for c in cals) for clock in ("cpu", "wall")}
+               for k in keys}
+    first = cals[0]
+    merged = replace(first, medians=medians, ranks=ranks,
+                     cpu_share=statistics.mean(c.cpu_share for c in cals),
+                     others_cores=statistics.mean(c.others_cores for c in cals))
+    return merged.in_clock("wall")
+
+
+if __name__ == "__main__":  # worker of calibrate_concurrently: shape.json layers repeats out.json
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    with open(sys.argv[1]) as f:
+        _shape = ModelShape(**json.load(f))
+    save(calibrate(_shape, int(sys.argv[2]), repeats=int(sys.argv[3])), sys.argv[4])

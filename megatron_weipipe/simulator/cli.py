@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --calibrate: cores the ranks share (default: this host's)")
     cal.add_argument("--host-background", type=float, default=None,
                      help="with --calibrate: other CPU-bound tasks on the host (default: seen while calibrating)")
+    cal.add_argument("--calibrate-ranks", type=int, default=1,
+                     help="with --calibrate: this many processes calibrate at once (as the ranks of a run on this "
+                          "host compute at once); costs are then their wall times and no sharing is modelled")
+    cal.add_argument("--calibration-repeats", type=int, default=5, help="rounds of every timed piece")
+    cal.add_argument("--calibration-clock", default=None, choices=["cpu", "wall"],
+                     help="use the calibration's CPU or wall seconds (default: as it was taken)")
     cal.add_argument("--measure-host", action="store_true",
                      help="with --calibrate: measure gloo's send/recv speed between two processes here")
     out = p.add_argument_group("output")
@@ -162,9 +168,17 @@ def calibration_for(args, spec):
     key = (spec.shape, spec.layers_per_chunk)
     if key not in _CALIBRATIONS:
         if args.calibration and os.path.exists(args.calibration) and not args.calibrate:
-            _CALIBRATIONS[key] = cal.load(args.calibration)
+            c = cal.load(args.calibration)
+            if args.calibration_clock and args.calibration_clock != c.clock:
+                c = c.in_clock(args.calibration_clock)
+            _CALIBRATIONS[key] = c
         else:
-            c = cal.calibrate(spec.shape, spec.layers_per_chunk)
+            require(args.calibrate_ranks >= 1, "--calibrate-ranks must be at least 1")
+            reps = args.calibration_repeats
+            if args.calibrate_ranks > 1:
+                c = cal.calibrate_concurrently(spec.shape, spec.layers_per_chunk, args.calibrate_ranks, repeats=reps)
+            else:
+                c = cal.calibrate(spec.shape, spec.layers_per_chunk, repeats=reps)
             if args.measure_host:
                 from dataclasses import replace as _replace
 
@@ -194,9 +208,14 @@ def host_cluster(args, world: int, calibration):
     if calibration.gloo_gbs:
         link = LinkSpec("gloo-loopback", calibration.gloo_gbs, calibration.gloo_latency_us or 0.0,
                         calibration.gloo_cpu_s_per_byte)
-    print(f"host: {world} ranks on {cores:g} cores with {background:.1f} other busy tasks (calibration got "
-          f"{calibration.cpu_share:.0%} of a core); gloo {link.bandwidth_gbs:.2f} GB/s, "
-          f"{link.latency_us:.0f} us per message")
+    if calibration.clock == "wall" and args.host_cores is None and args.host_background is None:
+        cores, background = None, 0.0  # the wall times already carry the contention
+        # and so does the host CPU of messages: seconds of CPU take 1 / share of a wall second
+        link = replace(link, cpu_s_per_byte=link.cpu_s_per_byte / max(calibration.cpu_share, 0.05))
+    shared = (f"on {cores:g} cores with {background:.1f} other busy tasks" if cores
+              else f"timed {calibration.ranks} at a time")
+    print(f"host: {world} ranks {shared} (calibration got {calibration.cpu_share:.0%} of a core); gloo "
+          f"{link.bandwidth_gbs:.2f} GB/s, {link.latency_us:.0f} us per message")
     return Cluster(device=CPU_HOST, intra=link, inter=link, gpus_per_node=max(world, 1), cores_per_node=cores,
                    background_tasks=background).validate()
 

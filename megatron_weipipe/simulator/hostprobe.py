@@ -86,7 +86,7 @@ _PINGPONG = textwrap.dedent("""
 """)
 
 
-def gloo_link(small: int = 1 << 12, large: int = 1 << 24, reps: int = 20) -> LinkSpec:
+def gloo_link(small: int = 1 << 12, large: int = 1 << 24, reps: int = 10) -> LinkSpec:
     """Latency and bandwidth of one gloo message between two processes on this host."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "store")

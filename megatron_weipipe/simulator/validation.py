@@ -1,15 +1,14 @@
-"""Predicted vs measured on this CPU host, alternating so that drifting load hits both.
+"""Predicted vs measured on this CPU host, calibration and run back to back.
 
-For every (ranks, sequence length) block and every round: calibrate (real megatron-core
-layers of the shape, timed in CPU seconds; gloo's speed) with `tools/simulate.py
---calibrate --measure-host`; then, for each schedule in turn, run it for real with
-torchrun, sampling how loaded the host is (other engineers' jobs: a 4 s spin right
-before and right after the run), and predict from the block's calibration with the mean
-of the two samples as background load. The schedule order rotates per round. Each
-prediction is paired with its run; the table reports medians over
-rounds, the measurement spread, the CPU time per iteration (predicted work against the
-ranks' measured process time, which does not depend on the load), and the byte counter
-against the predicted bytes (exact).
+For every round, (ranks, sequence length) block and schedule (order rotated per round):
+calibrate with `tools/simulate.py --calibrate --calibrate-ranks P --measure-host` (P
+processes time the real megatron-core layers of the shape at once, as the P ranks will
+compute at once, so the wall times carry the contention between them and with whatever
+else this shared host runs; gloo's speed), predict from it, then run the schedule for
+real with torchrun. The next run gets a fresh calibration. The table reports medians
+over rounds, the measurement spread, the CPU time per iteration (the calibration's CPU
+seconds replayed, against the ranks' measured process time, which does not depend on
+the load), and the byte counter against the predicted bytes (exact).
 """
 
 from __future__ import annotations
@@ -72,43 +71,38 @@ def _simulate(flags: list[str]) -> tuple[dict, str]:
 
 
 def run_validation(path: str, rounds: int = 3, blocks=BLOCKS, schedules=SCHEDULES, base: ModelShape = BASE,
-                   workdir: str = "/tmp") -> None:
+                   workdir: str = "/tmp", repeats: int = 3) -> None:
     """Append one JSON record per (round, block, schedule) to `path`."""
-    from .hostprobe import background_now, background_tasks
-
-    cores = os.cpu_count() or 1
     for rnd in range(rounds):
         order = list(schedules[rnd % len(schedules):]) + list(schedules[:rnd % len(schedules)])
         for block in blocks:
             shape = block.shape(base)
             gbs = shape.micro_batch_size * block.ranks * block.microbatches_per_rank
             flags = simulate_flags(shape, block.ranks, gbs, schedules)
-            cal = os.path.join(workdir, f"simulator_cal_P{block.ranks}_s{block.seq_length}_r{rnd}.json")
-            _simulate(flags + ["--calibrate", "--measure-host", "--calibration", cal])
-            with open(cal) as f:
-                calibration = json.load(f)
             for name in order:
-                before = background_tasks(*background_now(4.0), cores)
+                cal = os.path.join(workdir, f"simulator_cal_P{block.ranks}_s{block.seq_length}_{name}_r{rnd}.json")
+                pred, host = _simulate(flags + ["--calibrate", "--calibrate-ranks", str(block.ranks),
+                                                "--calibration-repeats", str(repeats), "--measure-host",
+                                                "--calibration", cal])
                 run = real_run(shape, block.ranks, name, gbs)
-                after = background_tasks(*background_now(4.0), cores)
-                background = (before + after) / 2
-                pred, host = _simulate(flags + ["--calibration", cal, "--host-background", f"{background:.3f}"])
+                work, _ = _simulate(flags + ["--calibration", cal, "--calibration-clock", "cpu"])
+                with open(cal) as f:
+                    calibration = json.load(f)
                 p = pred[name]
                 record = {"round": rnd, "ranks": block.ranks, "seq_length": block.seq_length, "schedule": name,
                           "predicted_ms": p["iteration_s"] * 1e3, "measured_ms": run.elapsed_ms,
-                          "predicted_cpu_ms": [w * 1e3 for w in p["work_s"]], "measured_cpu_ms": list(run.cpu_ms),
+                          "predicted_cpu_ms": [w * 1e3 for w in work[name]["work_s"]],
+                          "measured_cpu_ms": list(run.cpu_ms),
                           "predicted_counter": p["counter"], "measured_sent": run.sent, "log_sent": run.log_sent,
-                          "background": background, "background_before": before, "background_after": after,
-                          "run_cpu_share": run.cpu_share,
-                          "calibration_share": calibration["cpu_share"], "host": host, "command": run.command,
-                          "loadavg": os.getloadavg()[0], "time": time.time()}
+                          "run_cpu_share": run.cpu_share, "calibration_share": calibration["cpu_share"],
+                          "host": host, "command": run.command, "loadavg": os.getloadavg()[0], "time": time.time()}
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
                 print(f"round {rnd} P={block.ranks} s={block.seq_length} {name}: predicted "
                       f"{record['predicted_ms']:.0f} ms, measured {run.elapsed_ms:.0f} ms; CPU/iter predicted "
                       f"{statistics.mean(record['predicted_cpu_ms']):.0f} ms, measured "
-                      f"{statistics.mean(run.cpu_ms) if run.cpu_ms else float('nan'):.0f} ms; background "
-                      f"{background:.1f}, ranks got {run.cpu_share:.0%} of a core", flush=True)
+                      f"{statistics.mean(run.cpu_ms) if run.cpu_ms else float('nan'):.0f} ms; calibration got "
+                      f"{calibration['cpu_share']:.0%} of a core, the ranks {run.cpu_share:.0%}", flush=True)
 
 
 def load_records(path: str) -> list[dict]:
@@ -151,6 +145,6 @@ def summarise(records: list[dict]) -> list[dict]:
             "bytes_exact": all(bytes_equal(r) for r in recs),
             "log_sent": recs[-1]["log_sent"],
             "share": statistics.median(r.get("run_cpu_share", 0.0) for r in recs),
-            "background": statistics.median(r.get("background", 0.0) for r in recs),
+            "calibration_share": statistics.median(r.get("calibration_share", 0.0) for r in recs),
         })
     return out
