@@ -31,21 +31,31 @@ def _stderr_lines(out):
     return [line for line in out.stderr.splitlines() if line.strip()]
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("suffix,expect", [
-    (".bin", "is truncated: its index"),
-    (".idx", "is truncated: its header promises"),
-])
-def test_truncated_data_file_one_line(tmp_path, suffix, expect):
+def _copy_data(tmp_path, truncate_suffix):
     prefix = str(tmp_path / "doc")
     for ext in (".bin", ".idx"):
         shutil.copy(DATA + ext, prefix + ext)
-    os.truncate(prefix + suffix, os.path.getsize(prefix + suffix) - 10)
+    os.truncate(prefix + truncate_suffix, os.path.getsize(prefix + truncate_suffix) - 10)
+    return prefix
+
+
+@pytest.mark.timeout(120)
+def test_truncated_bin_through_the_cli_prints_one_line(tmp_path):
+    prefix = _copy_data(tmp_path, ".bin")
     out = _cli(tiny_args(2, data_path=prefix))
     assert out.returncode == 2
     lines = _stderr_lines(out)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and prefix + suffix in lines[0], out.stderr
-    assert expect in lines[0]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"error: data file {prefix}.bin (") and "is truncated: its index" in lines[0]
+
+
+def test_truncated_idx_is_refused_while_parsing_flags(tmp_path):
+    from megatron_weipipe.arguments import parse_config
+    from megatron_weipipe.config import ConfigError
+
+    prefix = _copy_data(tmp_path, ".idx")
+    with pytest.raises(ConfigError, match=rf"^index file {prefix}.idx \(\d+ bytes\) is truncated: its header promises"):
+        parse_config(tiny_args(2, data_path=prefix), world_size=1)
 
 
 class _RunsCode:
@@ -97,13 +107,17 @@ def _corrupt(kind, src, dst, marker):
     return dst
 
 
+# Run through pretrain() on two ranks (the whole path: checks, agreement, who prints).
 CASES = {
     "shard": "checkpoint shard {it}/__0_0.distcp is truncated",
-    "metadata": "{it}/.metadata is truncated or corrupt",
     "common": "{it}/common.pt is unreadable, truncated or not plain data",
+    "shape": "{it}/common.pt: the checkpoint's model shape differs: hidden_size 32 in the checkpoint vs 64 requested",
+}
+# Checked by the same functions, called directly.
+FILE_CASES = {
+    "metadata": "{it}/.metadata is truncated or corrupt",
     "unsafe-common": "{it}/common.pt is unreadable, truncated or not plain data",
     "unsafe-metadata": "{it}/.metadata is not plain checkpoint metadata: the unpickler refuses to import posix.mkdir",
-    "shape": "{it}/common.pt: the checkpoint's model shape differs: hidden_size 32 in the checkpoint vs 64 requested",
 }
 
 
@@ -132,11 +146,10 @@ def _try_loads(rank, world_size, roots):
 @pytest.mark.timeout(200)
 def test_corrupt_checkpoints_fail_with_one_line_and_change_nothing(checkpoint, tmp_path):
     """Two ranks: both stop with the same error, exactly one of them prints it."""
-    marker = str(tmp_path / "code-ran")
-    roots = {kind: _corrupt(kind, checkpoint, str(tmp_path / kind), marker) for kind in CASES if kind != "shape"}
-    roots["shape"] = _corrupt("none", checkpoint, str(tmp_path / "shape"), marker)
+    roots = {kind: _corrupt(kind, checkpoint, str(tmp_path / kind), None) for kind in CASES if kind != "shape"}
+    roots["shape"] = _corrupt("none", checkpoint, str(tmp_path / "shape"), None)
     before = {kind: _digest(root) for kind, root in roots.items()}
-    per_rank = run_distributed(_try_loads, 2, roots, timeout=180)
+    per_rank = run_distributed(_try_loads, 2, roots, timeout=180, env={"MEGATRON_WEIPIPE_WATCHDOG_INTERVAL": "0.2"})
     for kind, expect in CASES.items():
         results = [errors[kind] for errors in per_rank]
         assert all(r is not None and r[0] == "CheckpointError" for r in results), (kind, results)
@@ -147,7 +160,24 @@ def test_corrupt_checkpoints_fail_with_one_line_and_change_nothing(checkpoint, t
         assert "\n" not in report
         assert sorted(r[2] for r in results) == [False, True], f"{kind}: exactly one rank prints it"
         assert _digest(roots[kind]) == before[kind], f"{kind}: checkpoint directory changed"
+
+
+@pytest.mark.parametrize("kind", list(FILE_CASES))
+def test_corrupt_or_unsafe_checkpoint_files_are_refused_without_running_code(checkpoint, tmp_path, kind):
+    marker = str(tmp_path / "code-ran")
+    it = os.path.join(_corrupt(kind, checkpoint, str(tmp_path / kind), marker), "iter_0000002")
+    with pytest.raises(ValueError) as e:
+        safe_load.check_checkpoint_files(it)
+        safe_load.load_common(it)
+    assert FILE_CASES[kind].format(it=it) in str(e.value) and "\n" not in str(e.value)
     assert not os.path.exists(marker), "a pickle in the checkpoint ran code"
+
+
+def test_good_checkpoint_files_pass_the_checks(checkpoint):
+    it = os.path.join(checkpoint, "iter_0000002")
+    safe_load.check_checkpoint_files(it)
+    assert safe_load.load_common(it)["iteration"] == 2
+    assert safe_load.read_metadata(it).storage_data
 
 
 def test_safe_planner_refuses_code_in_byte_objects(tmp_path):
