@@ -142,6 +142,12 @@ def build_gpt_model(
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    dtype = compute_dtype(cfg)
+    if dtype != torch.float32:
+        # What Megatron-LM's Float16Module does: every floating tensor in the compute dtype
+        # (megatron-core leaves e.g. learned position embeddings in fp32); the optimizer keeps
+        # fp32 master weights.
+        model.to(dtype=dtype)
     if m.layout_invariant_init:
         reinitialize_layout_invariant(model, cfg)
     if long_context is not None:
