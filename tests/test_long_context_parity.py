@@ -57,6 +57,10 @@ WORLD4 = {
     "fpdt-tp2-cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2, fpdt=True, fpdt_chunk_size=16,
                          make_vocab_size_divisible_by=256),
     "fpdt-cp2-1f1b-pp2": dict(context_parallel_size=2, pipeline_model_parallel_size=2, fpdt=True, fpdt_chunk_size=16),
+    "fpdt-cp2-weipipe-ring2": dict(context_parallel_size=2, pipeline_model_parallel_size=2, fpdt=True,
+                                   fpdt_chunk_size=16, pipeline_schedule="weipipe-interleave"),
+    "ulysses-cp2-weipipe-zb-ring2": dict(context_parallel_size=2, pipeline_model_parallel_size=2,
+                                         pipeline_schedule="weipipe-zb"),
 }
 
 

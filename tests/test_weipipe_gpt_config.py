@@ -17,8 +17,9 @@ CASES = {
                              global_batch_size=6), "to be a multiple of --pipeline-model-parallel-size (2)"),
     "virtual stages": (2, dict(pipeline_schedule="weipipe-naive", pipeline_model_parallel_size=2,
                                num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage"),
-    "context parallel": (4, dict(pipeline_schedule="weipipe-zb", pipeline_model_parallel_size=2,
-                                 context_parallel_size=2), "--context-parallel-size 1"),
+    "micro-batches with context parallelism": (4, dict(pipeline_schedule="weipipe-zb", pipeline_model_parallel_size=2,
+                                                      context_parallel_size=2, global_batch_size=6),
+                                               "to be a multiple of --pipeline-model-parallel-size (2)"),
     "layers": (2, dict(pipeline_schedule="weipipe-zb", pipeline_model_parallel_size=2, num_layers=5),
                "--num-layers (5) must be divisible by --pipeline-model-parallel-size (2)"),
 }

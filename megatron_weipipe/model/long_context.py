@@ -9,6 +9,7 @@ output layer + cross-entropy is chunked too, so [s, V] logits never exist.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -181,6 +182,7 @@ def install_chunked_loss(model, num_chunks: int, tp_group) -> None:
         finally:
             state["labels"] = False
 
+    model_forward.__signature__ = inspect.signature(plain_model_forward)  # callers bind arguments by name
     output_layer.forward = output_forward
     model.compute_language_model_loss = loss
     model.forward = model_forward

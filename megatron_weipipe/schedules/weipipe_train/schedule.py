@@ -60,8 +60,6 @@ class WeiPipeSchedule(TrainSchedule):
             raise ConfigError(f"{flag} needs --pipeline-model-parallel-size >= 2 (the size of the weight ring)")
         if p.num_layers_per_virtual_pipeline_stage is not None:
             raise ConfigError(f"{flag} does not take --num-layers-per-virtual-pipeline-stage (one chunk per ring rank)")
-        if p.context_parallel_size != 1:
-            raise ConfigError(f"{flag} needs --context-parallel-size 1 (WeiPipe with Ulysses/FPDT is not implemented)")
         if cfg.num_microbatches % P != 0:
             raise ConfigError(
                 f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "

@@ -33,9 +33,10 @@ class Microbatch:
 class _RecordingModel:
     """Stands in for the GPTModel inside forward_step: remembers the call, computes nothing."""
 
-    def __init__(self, signature: inspect.Signature):
+    def __init__(self, signature: inspect.Signature, long_context=None):
         self.signature = signature
         self.inputs: Optional[dict] = None
+        self.long_context = long_context  # context-parallel sharding settings, read by forward_step
 
     def __call__(self, *args, **kwargs):
         bound = self.signature.bind(*args, **kwargs)
@@ -51,7 +52,7 @@ def prepare_microbatches(forward_step: Callable, model: torch.nn.Module, batches
     signature = inspect.signature(model.forward)
     out = []
     for i, batch in enumerate(batches):
-        recorder = _RecordingModel(signature)
+        recorder = _RecordingModel(signature, getattr(model, "long_context", None))
         _, loss_func = forward_step(iter([batch]), recorder)
         if recorder.inputs is None:
             raise ValueError("forward_step did not call the model")
