@@ -22,7 +22,7 @@ from megatron_weipipe.schedules.base import ForwardStep, TrainSchedule
 from megatron_weipipe.schedules.registry import get_schedule
 from megatron_weipipe.training import faults
 from megatron_weipipe.training.byte_counter import BYTE_COUNTER
-from megatron_weipipe.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_weipipe.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_weipipe.training.metrics import (
     TensorBoardWriter,
     model_flops_per_iteration,
@@ -193,7 +193,7 @@ def pretrain(
 def _describe_failure(e: BaseException, watchdog) -> None:
     """Publish the failure to the peers and attach the one line this rank should print."""
     own = f"failed during {faults.describe_phase()}: {type(e).__name__}: {_first_line(e)}"
-    if isinstance(e, (NaNError, ValueError, FileNotFoundError)) or type(e).__name__ == "CheckpointError":
+    if isinstance(e, (NaNError, CheckpointError, ValueError, FileNotFoundError)):  # self-explanatory
         own = _first_line(e)
     if watchdog is None:
         report = own
