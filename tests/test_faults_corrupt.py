@@ -202,3 +202,10 @@ def test_safe_planner_refuses_code_in_byte_objects(tmp_path):
     buf.seek(0)
     planner.load_bytes(Item, buf)
     assert torch.equal(planner.state_dict["rng_state"][0]["torch_rng_state"], torch.get_rng_state())
+    import numpy as np
+
+    buf = io.BytesIO()
+    torch.save([{"np_rng_state": np.random.get_state()}], buf)  # the format of earlier checkpoints
+    buf.seek(0)
+    planner.load_bytes(Item, buf)
+    assert (planner.state_dict["rng_state"][0]["np_rng_state"][1] == np.random.get_state()[1]).all()

@@ -11,7 +11,8 @@ would execute whatever a tampered file asks for:
   torch version's default or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD say.
 - byte objects inside ``.distcp`` files (our RNG state): torch's planner loads them with
   ``weights_only=False``; our planner uses ``weights_only=True``. The RNG state is
-  saved as tensors and Python scalars only, so it needs no extra allowed globals.
+  saved as tensors and Python scalars; numpy arrays of numbers (how earlier versions
+  saved it) are the only other thing admitted.
 
 The same pass checks every shard file against the sizes the metadata promises, so a
 truncated shard fails with one line naming the file instead of deep inside a reader.
@@ -134,13 +135,33 @@ def _safe_planner_class():
 
     class _SafeMCoreLoadPlanner(MCoreLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
+            with torch.serialization.safe_globals(_numpy_array_globals()):
+                obj = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return _SafeMCoreLoadPlanner
+
+
+def _numpy_array_globals() -> list:
+    """What a pickled numpy array of numbers needs (RNG states saved by earlier versions).
+
+    Its elements still go through the same restricted unpickler, so this admits arrays,
+    not arbitrary objects.
+    """
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    out = [_reconstruct, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out += [getattr(dtypes, n) for n in ("UInt32DType", "Int64DType", "Float64DType") if hasattr(dtypes, n)]
+    return out
 
 
 @contextlib.contextmanager
