@@ -13,6 +13,7 @@ import warnings
 
 # megatron-core announces every fallback it takes when TE/apex are absent (CPU hosts).
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 
 def model_provider(cfg, vocab_size, pre_process=True, post_process=True, vp_stage=None):

@@ -176,6 +176,11 @@ class TrainingConfig:
         _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, not {self.optimizer!r}")
         _require(self.eval_interval > 0, "--eval-interval must be positive")
         _require(self.clip_grad >= 0, "--clip-grad must be non-negative")
+        decay = self.lr_decay_iters or self.train_iters
+        _require(
+            self.warmup_iters == 0 or self.warmup_iters < decay,
+            f"--lr-warmup-iters ({self.warmup_iters}) must be smaller than --lr-decay-iters or --train-iters ({decay})",
+        )
 
     @property
     def warmup_iters(self) -> int:

@@ -33,6 +33,7 @@ CONFIG_CASES = {
                     "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)"),
     "batch-vs-dp": (dict(global_batch_size=6, micro_batch_size=2), 2,
                     "--global-batch-size (6) must be divisible by --micro-batch-size x data-parallel size (2 x 2)"),
+    "warmup-vs-iters": (dict(lr_warmup_iters=5, train_iters=5), 1, "--lr-warmup-iters (5) must be smaller than"),
     "unknown-schedule": (dict(pipeline_schedule="zigzag"), 1, "--pipeline-schedule 'zigzag' is unknown"),
     "missing-data": (dict(data_path="/nonexistent/corpus_text_document"), 1, "/nonexistent/corpus_text_document"),
 }
