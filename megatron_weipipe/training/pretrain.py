@@ -80,12 +80,17 @@ class _ExitSignal:
 
 
 def _reduce_iteration_flags(
-    groups: ParallelGroups, loss_values: list[float], contributes: bool, flags: list[float]
+    groups: ParallelGroups, loss_values: list[float], contributes: bool, flags: list[float], checks: bool = False
 ) -> tuple[float, float, int, list[float]]:
-    """One all-reduce per iteration: sum and count of the finite losses, bad-loss count, exit flags."""
+    """One all-reduce per iteration: sum and count of the finite losses, bad-loss count, exit flags.
+
+    The logged loss comes from the ``contributes`` ranks (one per replica); NaN/Inf is
+    looked for on every rank that ``checks`` (has a loss: each tensor and context rank
+    holds its own share of it).
+    """
     total = sum(v for v in loss_values if math.isfinite(v)) if contributes else 0.0
     count = float(sum(1 for v in loss_values if math.isfinite(v))) if contributes else 0.0
-    bad = float(sum(1 for v in loss_values if not math.isfinite(v))) if contributes else 0.0
+    bad = float(sum(1 for v in loss_values if not math.isfinite(v))) if checks else 0.0
     vec = torch.tensor([total, count, bad, *flags], dtype=torch.float64)
     dist.all_reduce(vec)
     return vec[0].item(), vec[1].item(), int(vec[2].item()), vec[3:].tolist()
@@ -289,12 +294,13 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
                 t.exit_duration_in_mins is not None and (time.time() - start_time) / 60.0 > t.exit_duration_in_mins
             )
             total, count, bad, (sig, dur) = _reduce_iteration_flags(
-                groups, values, contributes, [float(exit_signal.received), float(timed_out and dist.get_rank() == 0)]
+                groups, values, contributes, [float(exit_signal.received), float(timed_out and dist.get_rank() == 0)],
+                checks=result.has_loss,
             )
             faults.set_phase("optimizer step", state.iteration + 1)
             stepped, grad_norm = False, None
             if bad:
-                rank, mb = _first_bad_microbatch(values, contributes)
+                rank, mb = _first_bad_microbatch(values, result.has_loss)
                 msg = (
                     f"NaN/Inf lm loss at iteration {state.iteration + 1} on rank {rank}, "
                     f"microbatch {mb} of that rank"
