@@ -23,7 +23,9 @@ MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${SLURM_GPUS_PER_NODE:-8}
 WORLD=$((SLURM_NNODES * GPUS_PER_NODE))
 
-LAUNCH=(torchrun --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE"
+# megatron_weipipe.launch is torchrun that forwards SIGTERM to the ranks and exits 0 after
+# they save (plain torchrun exits 1 on SIGTERM, which would stop the requeue below).
+LAUNCH=(python -m megatron_weipipe.launch --nnodes "$SLURM_NNODES" --nproc-per-node "$GPUS_PER_NODE"
         --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID")
 
 ARGS=(
