@@ -1,14 +1,15 @@
-"""Predicted vs measured on this CPU host, calibration and run back to back.
+"""Predicted vs measured on this CPU host, calibrations and runs alternating.
 
-For every round, (ranks, sequence length) block and schedule (order rotated per round):
-calibrate with `tools/simulate.py --calibrate --calibrate-ranks P --measure-host` (P
+For every round and (ranks, sequence length) block: calibrate, run a schedule,
+calibrate, run the next schedule, ..., calibrate (schedule order rotated per round).
+A calibration is `tools/simulate.py --calibrate --calibrate-ranks P --measure-host`: P
 processes time the real megatron-core layers of the shape at once, as the P ranks will
 compute at once, so the wall times carry the contention between them and with whatever
-else this shared host runs; gloo's speed), predict from it, then run the schedule for
-real with torchrun. The next run gets a fresh calibration. The table reports medians
-over rounds, the measurement spread, the CPU time per iteration (the calibration's CPU
-seconds replayed, against the ranks' measured process time, which does not depend on
-the load), and the byte counter against the predicted bytes (exact).
+else this shared host runs. Each run is predicted from the calibrations just before and
+just after it (mean), since the host's load drifts on the scale of a run. The table
+reports medians over rounds, the measurement spread, the CPU time per iteration (the
+calibrations' CPU seconds replayed, against the ranks' measured process time, which
+does not depend on the load), and the byte counter against the predicted bytes (exact).
 """
 
 from __future__ import annotations
@@ -79,30 +80,43 @@ def run_validation(path: str, rounds: int = 3, blocks=BLOCKS, schedules=SCHEDULE
             shape = block.shape(base)
             gbs = shape.micro_batch_size * block.ranks * block.microbatches_per_rank
             flags = simulate_flags(shape, block.ranks, gbs, schedules)
-            for name in order:
-                cal = os.path.join(workdir, f"simulator_cal_P{block.ranks}_s{block.seq_length}_{name}_r{rnd}.json")
-                pred, host = _simulate(flags + ["--calibrate", "--calibrate-ranks", str(block.ranks),
+
+            def calibrate(i: int):
+                cal = os.path.join(workdir, f"simulator_cal_P{block.ranks}_s{block.seq_length}_r{rnd}_{i}.json")
+                wall, host = _simulate(flags + ["--calibrate", "--calibrate-ranks", str(block.ranks),
                                                 "--calibration-repeats", str(repeats), "--measure-host",
                                                 "--calibration", cal])
-                run = real_run(shape, block.ranks, name, gbs)
-                work, _ = _simulate(flags + ["--calibration", cal, "--calibration-clock", "cpu"])
+                cpu, _ = _simulate(flags + ["--calibration", cal, "--calibration-clock", "cpu"])
                 with open(cal) as f:
-                    calibration = json.load(f)
-                p = pred[name]
+                    share = json.load(f)["cpu_share"]
+                return wall, cpu, share, host
+
+            before = calibrate(0)
+            for i, name in enumerate(order):
+                run = real_run(shape, block.ranks, name, gbs)
+                after = calibrate(i + 1)
+                pair = (before, after)
                 record = {"round": rnd, "ranks": block.ranks, "seq_length": block.seq_length, "schedule": name,
-                          "predicted_ms": p["iteration_s"] * 1e3, "measured_ms": run.elapsed_ms,
-                          "predicted_cpu_ms": [w * 1e3 for w in work[name]["work_s"]],
+                          "predicted_ms": statistics.mean(c[0][name]["iteration_s"] for c in pair) * 1e3,
+                          "predicted_before_ms": before[0][name]["iteration_s"] * 1e3,
+                          "predicted_after_ms": after[0][name]["iteration_s"] * 1e3,
+                          "measured_ms": run.elapsed_ms,
+                          "predicted_cpu_ms": [statistics.mean(c[1][name]["work_s"][r] for c in pair) * 1e3
+                                               for r in range(block.ranks)],
                           "measured_cpu_ms": list(run.cpu_ms),
-                          "predicted_counter": p["counter"], "measured_sent": run.sent, "log_sent": run.log_sent,
-                          "run_cpu_share": run.cpu_share, "calibration_share": calibration["cpu_share"],
-                          "host": host, "command": run.command, "loadavg": os.getloadavg()[0], "time": time.time()}
+                          "predicted_counter": before[0][name]["counter"], "measured_sent": run.sent,
+                          "log_sent": run.log_sent, "run_cpu_share": run.cpu_share,
+                          "calibration_share": statistics.mean(c[2] for c in pair), "host": before[3],
+                          "command": run.command, "loadavg": os.getloadavg()[0], "time": time.time()}
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
                 print(f"round {rnd} P={block.ranks} s={block.seq_length} {name}: predicted "
-                      f"{record['predicted_ms']:.0f} ms, measured {run.elapsed_ms:.0f} ms; CPU/iter predicted "
+                      f"{record['predicted_ms']:.0f} ms (before {record['predicted_before_ms']:.0f}, after "
+                      f"{record['predicted_after_ms']:.0f}), measured {run.elapsed_ms:.0f} ms; CPU/iter predicted "
                       f"{statistics.mean(record['predicted_cpu_ms']):.0f} ms, measured "
-                      f"{statistics.mean(run.cpu_ms) if run.cpu_ms else float('nan'):.0f} ms; calibration got "
-                      f"{calibration['cpu_share']:.0%} of a core, the ranks {run.cpu_share:.0%}", flush=True)
+                      f"{statistics.mean(run.cpu_ms) if run.cpu_ms else float('nan'):.0f} ms; calibrations got "
+                      f"{record['calibration_share']:.0%} of a core, the ranks {run.cpu_share:.0%}", flush=True)
+                before = after
 
 
 def load_records(path: str) -> list[dict]:
