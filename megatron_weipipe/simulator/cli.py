@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args):
-    """(shapes, layout, cluster, run specs) from parsed flags; raises SimulatorError."""
+    """(shape, layout, cluster, run specs) from parsed flags; raises SimulatorError."""
     from .fpdt import FPDTSpec
     from .hardware import HOST_LINKS, Cluster, device_preset, link_preset, parse_links
     from .layout import Layout
@@ -133,8 +133,7 @@ def config_from_args(args):
     require(args.gpus_per_node >= 1, "--gpus-per-node must be at least 1")
     cluster = Cluster(device=device, intra=intra, inter=inter, gpus_per_node=args.gpus_per_node,
                       host_link=link_preset(args.host_link, HOST_LINKS, "--host-link"),
-                      host_memory_gb=args.host_memory_gb,
-                      cores_per_node=args.host_cores).validate()
+                      host_memory_gb=args.host_memory_gb).validate()
     if args.schedules:
         names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     else:
@@ -144,7 +143,6 @@ def config_from_args(args):
     gbs = args.global_batch_size or args.micro_batch_size * layout.dp * max(pp, 1)
     fpdt = None
     if args.fpdt:
-        require(cp >= 1, "--fpdt needs --context-parallel-size")
         fpdt = FPDTSpec(chunk_size=args.fpdt_chunk_size, offload=args.fpdt_offload,
                         offload_checkpoints=args.fpdt_offload_checkpoints)
     recompute = args.recompute_granularity == "full" or args.fpdt_offload_checkpoints
@@ -155,7 +153,8 @@ def config_from_args(args):
                      sequence_parallel=args.sequence_parallel,
                      distributed_optimizer=args.use_distributed_optimizer, zero3=args.zero3,
                      attention_impl="unfused" if args.calibrate or args.calibration else "flash",
-                     dropout=not args.no_dropout, fpdt=fpdt).validate() for n in names]
+                     dropout=not args.no_dropout, fpdt=fpdt, weight_pass=args.weipipe_weight_pass).validate()
+             for n in names]
     return shape, layout, cluster, specs
 
 
@@ -243,23 +242,18 @@ def costs_for(args, spec, cluster):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .report import format_results
-
     import warnings
 
+    from .project import simulate_run
+    from .report import format_results
+
     warnings.filterwarnings("ignore")  # megatron-core's TE/apex fallback notices
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        shape, layout, cluster, specs = config_from_args(args)
+        _, layout, cluster, specs = config_from_args(args)
         if args.calibrate or args.calibration:
             cluster = host_cluster(args, layout.world, calibration_for(args, specs[0]))
-        results = []
-        for spec in specs:
-            spec = replace(spec, weight_pass=args.weipipe_weight_pass)
-            from .project import simulate_run
-
-            results.append(simulate_run(spec, cluster, costs_for(args, spec, cluster)))
+        results = [simulate_run(spec, cluster, costs_for(args, spec, cluster)) for spec in specs]
     except SimulatorError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
