@@ -63,3 +63,11 @@ def test_bad_input_is_one_line_and_exit_2(capsys, extra, needle):
 def test_pipeline_schedules_need_a_pipeline(capsys):
     rc = main(SMALL[:-2] + ["--pipeline-model-parallel-size", "1", "--schedules", "weipipe-zb"])
     assert rc == 2 and "pipeline-model-parallel-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--weipipe-grad-dtype", "fp8"], ["--no-such-flag"], ["--num-layers", "x"]])
+def test_bad_flags_are_one_line_too(capsys, extra):
+    with pytest.raises(SystemExit) as e:
+        main(SMALL + extra)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ")

@@ -16,8 +16,15 @@ from .errors import SimulatorError, require
 EXIT_BAD_INPUT = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (and exit status 2) like every other error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="simulate.py", allow_abbrev=False,
+    p = _Parser(prog="simulate.py", allow_abbrev=False,
                                 description="Project iteration time, traffic and memory of pipeline schedules.")
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, required=True)
