@@ -2,7 +2,8 @@
 """Regenerate the tables of docs/simulator.md.
 
     python tools/simulator_report.py cpu --rounds 3 --records /tmp/simulator_cpu.jsonl   # ~1 h, real runs
-    python tools/simulator_report.py cpu-table --records /tmp/simulator_cpu.jsonl        # table only
+    python tools/simulator_report.py cpu-table --records /tmp/simulator_cpu.jsonl        # table again, from
+                                                                    # the runs' saved calibrations
     python tools/simulator_report.py weipipe-paper                                       # seconds
     python tools/simulator_report.py fpdt-paper                                          # seconds
 """
@@ -29,8 +30,9 @@ def main(argv=None) -> int:
     cpu.add_argument("--rounds", type=int, default=3)
     cpu.add_argument("--records", default="/tmp/simulator_cpu.jsonl")
     cpu.add_argument("--workdir", default="/tmp", help="where the calibrations are kept")
-    table = sub.add_parser("cpu-table", help="the table from recorded runs")
+    table = sub.add_parser("cpu-table", help="the table from recorded runs, predicted again from their calibrations")
     table.add_argument("--records", default="/tmp/simulator_cpu.jsonl")
+    table.add_argument("--workdir", default="/tmp", help="where the calibrations are kept")
     sub.add_parser("weipipe-paper", help="WeiPipe's scaling setting, NVLink and PCIe+IB clusters")
     sub.add_parser("fpdt-paper", help="FPDT's 8B Llama at 2M tokens on 4 GPUs and 4M on 8")
     args = p.parse_args(argv)
@@ -39,7 +41,8 @@ def main(argv=None) -> int:
             validation.run_validation(args.records, rounds=args.rounds, workdir=args.workdir)
             print(paper.cpu_table(validation.summarise(validation.load_records(args.records))))
         elif args.what == "cpu-table":
-            print(paper.cpu_table(validation.summarise(validation.load_records(args.records))))
+            records = validation.repredict(validation.load_records(args.records), args.workdir)
+            print(paper.cpu_table(validation.summarise(records)))
         elif args.what == "weipipe-paper":
             print(paper.weipipe_table())
         elif args.what == "fpdt-paper":

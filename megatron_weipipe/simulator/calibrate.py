@@ -356,9 +356,10 @@ def save(cal: HostCalibration, path: Optional[str]) -> None:
 def calibrate_concurrently(shape: ModelShape, layers_per_chunk: int, ranks: int, *,
                            repeats: int = 5) -> HostCalibration:
     """`ranks` processes calibrate at the same time, as the ranks of a run on this host
-    compute at the same time; their medians are averaged and the structured fields hold
-    wall seconds (which then include the ranks' contention and whatever else the host
-    runs), CPU seconds stay in `medians`."""
+    compute at the same time; their medians are averaged. The structured fields hold CPU
+    seconds (with the cache and memory contention of `ranks` processes in them); the wall
+    seconds stay in `medians`, and `cpu_share` (the CPU each process got per wall second)
+    tells the replay how much else ran."""
     import subprocess
     import sys
     import tempfile
@@ -388,7 +389,7 @@ def calibrate_concurrently(shape: ModelShape, layers_per_chunk: int, ranks: int,
     merged = replace(first, medians=medians, ranks=ranks,
                      cpu_share=statistics.mean(c.cpu_share for c in cals),
                      others_cores=statistics.mean(c.others_cores for c in cals))
-    return merged.in_clock("wall")
+    return merged.in_clock("cpu")
 
 
 if __name__ == "__main__":  # worker of calibrate_concurrently: shape.json layers repeats out.json

@@ -87,11 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--host-background", type=float, default=None,
                      help="with --calibrate: other CPU-bound tasks on the host (default: seen while calibrating)")
     cal.add_argument("--calibrate-ranks", type=int, default=1,
-                     help="with --calibrate: this many processes calibrate at once (as the ranks of a run on this "
-                          "host compute at once); costs are then their wall times and no sharing is modelled")
+                     help="with --calibrate: this many processes calibrate at once, as the ranks of a run on this "
+                          "host compute at once (their CPU times carry the contention; the CPU they got per wall "
+                          "second gives the other load)")
     cal.add_argument("--calibration-repeats", type=int, default=5, help="rounds of every timed piece")
     cal.add_argument("--calibration-clock", default=None, choices=["cpu", "wall"],
-                     help="use the calibration's CPU or wall seconds (default: as it was taken)")
+                     help="use the calibration's CPU seconds with fair sharing of the host's cores (default), or "
+                          "its wall seconds as they are (the contention it saw, no sharing modelled)")
     cal.add_argument("--measure-host", action="store_true",
                      help="with --calibrate: measure gloo's send/recv speed between two processes here")
     out = p.add_argument_group("output")
@@ -209,7 +211,8 @@ def host_cluster(args, world: int, calibration):
     cores = args.host_cores or calibration.host_cores or os.cpu_count() or 1
     background = args.host_background
     if background is None:
-        background = background_tasks(calibration.cpu_share, calibration.others_cores, int(cores))
+        background = background_tasks(calibration.cpu_share, calibration.others_cores, int(cores),
+                                      calibration.ranks)
     link = LINKS["loopback"]
     if calibration.gloo_gbs:
         link = LinkSpec("gloo-loopback", calibration.gloo_gbs, calibration.gloo_latency_us or 0.0,
@@ -219,7 +222,7 @@ def host_cluster(args, world: int, calibration):
         # and so does the host CPU of messages: seconds of CPU take 1 / share of a wall second
         link = replace(link, cpu_s_per_byte=link.cpu_s_per_byte / max(calibration.cpu_share, 0.05))
     shared = (f"on {cores:g} cores with {background:.1f} other busy tasks" if cores
-              else f"timed {calibration.ranks} at a time")
+              else f"timed {calibration.ranks} at a time, wall clock")
     print(f"host: {world} ranks {shared} (calibration got {calibration.cpu_share:.0%} of a core); gloo "
           f"{link.bandwidth_gbs:.2f} GB/s, {link.latency_us:.0f} us per message")
     return Cluster(device=CPU_HOST, intra=link, inter=link, gpus_per_node=max(world, 1), cores_per_node=cores,

@@ -56,12 +56,13 @@ def background_now(seconds: float = 3.0) -> tuple[float, float]:
     return share, others_cores(before, cpu_jiffies(), share, cores)
 
 
-def background_tasks(cpu_share: float, others: float, cores: int) -> float:
+def background_tasks(cpu_share: float, others: float, cores: int, processes: int = 1) -> float:
     """CPU-bound tasks competing with the ranks (fair sharing: each of N runnable tasks gets
-    cores / N). A process that got less than a full core saw a saturated host: N - 1 =
-    cores / share - 1 others. Otherwise the others' measured use is the count."""
+    cores / N). `processes` calibrating processes that each got less than a full core saw
+    a saturated host: N = cores / share, of which N - processes were others. Otherwise the
+    others' measured use is the count."""
     if cpu_share < 0.97:
-        return max(0.0, cores / cpu_share - 1.0)
+        return max(0.0, cores / cpu_share - processes)
     return others
 
 

@@ -119,6 +119,35 @@ def run_validation(path: str, rounds: int = 3, blocks=BLOCKS, schedules=SCHEDULE
                 before = after
 
 
+def calibration_paths(rec: dict, workdir: str, schedules=SCHEDULES) -> tuple[str, str]:
+    """The calibrations taken right before and right after a record's run."""
+    rnd = rec["round"]
+    order = list(schedules[rnd % len(schedules):]) + list(schedules[:rnd % len(schedules)])
+    i = order.index(rec["schedule"])
+    stem = os.path.join(workdir, f"simulator_cal_P{rec['ranks']}_s{rec['seq_length']}_r{rnd}_")
+    return stem + f"{i}.json", stem + f"{i + 1}.json"
+
+
+def repredict(records: list[dict], workdir: str, extra: tuple = ()) -> list[dict]:
+    """Predictions of every record again from its saved calibrations, with the current
+    model (and `extra` flags): nothing measured in the run goes into them."""
+    cache: dict = {}
+    out = []
+    for rec in records:
+        shape = Block(rec["ranks"], rec["seq_length"]).shape(BASE)
+        flags = simulate_flags(shape, rec["ranks"], shape.micro_batch_size * rec["ranks"] * 2, SCHEDULES)
+        preds = []
+        for path in calibration_paths(rec, workdir):
+            if path not in cache:
+                cache[path] = _simulate(flags + ["--calibration", path, *extra])[0]
+            preds.append(cache[path][rec["schedule"]])
+        new = dict(rec)
+        new["predicted_ms"] = statistics.mean(p["iteration_s"] for p in preds) * 1e3
+        new["predicted_cpu_ms"] = [statistics.mean(p["work_s"][r] for p in preds) * 1e3 for r in range(rec["ranks"])]
+        out.append(new)
+    return out
+
+
 def load_records(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
