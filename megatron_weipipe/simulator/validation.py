@@ -128,9 +128,10 @@ def calibration_paths(rec: dict, workdir: str, schedules=SCHEDULES) -> tuple[str
     return stem + f"{i}.json", stem + f"{i + 1}.json"
 
 
-def repredict(records: list[dict], workdir: str, extra: tuple = ()) -> list[dict]:
+def repredict(records: list[dict], workdir: str, extra: tuple = ("--calibration-clock", "cpu")) -> list[dict]:
     """Predictions of every record again from its saved calibrations, with the current
-    model (and `extra` flags): nothing measured in the run goes into them."""
+    model (CPU seconds and fair sharing unless `extra` says otherwise): nothing measured
+    in the run goes into them."""
     cache: dict = {}
     out = []
     for rec in records:
