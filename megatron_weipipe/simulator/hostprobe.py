@@ -40,22 +40,6 @@ def others_cores(before: tuple[int, int], after: tuple[int, int], own_share: flo
     return max(0.0, busy / total * cores - own_share)
 
 
-def background_now(seconds: float = 3.0) -> tuple[float, float]:
-    """(own CPU share, others' busy cores) while this process spins for `seconds`: how
-    loaded the host is right now, for a prediction made just before a run."""
-    import time
-
-    cores = os.cpu_count() or 1
-    before = cpu_jiffies()
-    w0, c0 = time.perf_counter(), time.process_time()
-    x = 0
-    while time.perf_counter() - w0 < seconds:
-        for i in range(10000):
-            x += i
-    share = min(1.0, (time.process_time() - c0) / (time.perf_counter() - w0))
-    return share, others_cores(before, cpu_jiffies(), share, cores)
-
-
 def background_tasks(cpu_share: float, others: float, cores: int, processes: int = 1) -> float:
     """CPU-bound tasks competing with the ranks (fair sharing: each of N runnable tasks gets
     cores / N). `processes` calibrating processes that each got less than a full core saw
