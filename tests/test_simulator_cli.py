@@ -52,6 +52,7 @@ def test_fpdt_section(capsys):
     (["--schedules", "interleaved", "--virtual-stages", "3"], "interleaved"),
     (["--context-parallel-size", "16"], "context"),
     (["--fpdt", "--fpdt-chunk-size", "3000", "--context-parallel-size", "2"], "--fpdt-chunk-size"),
+    (["--context-parallel-size", "2", "--schedules", "weipipe-zb"], "--context-parallel-size 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, needle):
     rc = main(SMALL + extra)

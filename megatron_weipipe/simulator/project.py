@@ -104,6 +104,8 @@ class RunSpec:
                     f"interleaved needs the microbatches per replica ({self.num_microbatches}) to be a multiple of "
                     f"--pipeline-model-parallel-size ({P})")
         if self.is_weipipe:
+            require(lay.cp == 1, f"{self.schedule} needs --context-parallel-size 1 (the runtime has no WeiPipe with "
+                                 f"Ulysses/FPDT)")
             require(self.num_microbatches % P == 0,
                     f"{self.schedule} needs the microbatches per replica ({self.num_microbatches}) to be a multiple "
                     f"of --pipeline-model-parallel-size ({P})")
@@ -322,9 +324,11 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
             acts = fp.device_hidden_bytes + (0.0 if spec.fpdt.offload_checkpoints else fp.checkpoint_bytes)
             transient = fp.device_chunk_bytes
         elif spec.recompute:
-            units = k if not spec.is_weipipe else 1  # Megatron keeps each layer's input, the runtime each chunk's
+            # Megatron checkpoints every layer (uniform, one layer per unit) and recomputes one
+            # at a time; WeiPipe's runtime keeps each chunk's input and recomputes the chunk
+            units, redo = (1, k) if spec.is_weipipe else (k, 1)
             acts = in_flight[r] * units * per_input
-            transient = k * per_layer
+            transient = redo * per_layer
         else:
             acts = in_flight[r] * k * per_layer
             transient = 0.0
