@@ -125,3 +125,13 @@ def test_host_cpu_of_messages_is_charged_to_both_ends(name):
     messages = sum(1 for a in s.all_actions() if a.kind is Kind.SEND)
     assert sum(paid.work) - sum(free.work) == pytest.approx(messages * 1e-3)
     assert paid.makespan > free.makespan
+
+
+def test_background_load_from_what_the_calibrators_saw():
+    from megatron_weipipe.simulator.hostprobe import background_tasks
+
+    # saturated: 2 calibrators got half a core each on 2 cores -> 4 runnable, 2 of them others
+    assert background_tasks(0.5, 2.0, 2, processes=2) == pytest.approx(2.0)
+    # idle host: each calibrator had a core; the sibling is not background
+    assert background_tasks(1.0, 1.0, 2, processes=2) == pytest.approx(0.0)
+    assert background_tasks(1.0, 0.5, 4, processes=1) == pytest.approx(0.5)

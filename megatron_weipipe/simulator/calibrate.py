@@ -52,7 +52,7 @@ class HostCalibration:
     repeats: int
     spread: dict = field(default_factory=dict)  # name -> (max - min) / median over repeats
     cpu_share: float = 1.0  # CPU seconds / wall seconds of the calibrating process (1: it had a core to itself)
-    others_cores: float = 0.0  # cores other processes kept busy meanwhile (/proc/stat)
+    others_cores: float = 0.0  # cores other processes kept busy meanwhile, sibling calibrators included (/proc/stat)
     host_cores: int = 1
     gloo_gbs: Optional[float] = None  # gloo send/recv between two processes here, when measured
     gloo_latency_us: Optional[float] = None

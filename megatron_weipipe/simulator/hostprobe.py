@@ -42,12 +42,13 @@ def others_cores(before: tuple[int, int], after: tuple[int, int], own_share: flo
 
 def background_tasks(cpu_share: float, others: float, cores: int, processes: int = 1) -> float:
     """CPU-bound tasks competing with the ranks (fair sharing: each of N runnable tasks gets
-    cores / N). `processes` calibrating processes that each got less than a full core saw
-    a saturated host: N = cores / share, of which N - processes were others. Otherwise the
-    others' measured use is the count."""
+    cores / N), from what `processes` calibrating processes saw: each got `cpu_share` of a
+    core and saw `others` cores busy besides itself (its sibling calibrators included).
+    If they got less than a full core the host was saturated: N = cores / share, of which
+    N - processes were others; otherwise the others' measured use is the count."""
     if cpu_share < 0.97:
         return max(0.0, cores / cpu_share - processes)
-    return others
+    return max(0.0, others - (processes - 1) * cpu_share)
 
 
 _PINGPONG = textwrap.dedent("""
