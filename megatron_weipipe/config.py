@@ -1,108 +1,90 @@
-"""Typed run configuration, validated once at start-up.
+"""Typed run configuration: the one definition of every flag, validated once at start-up.
 
-Every rule that a flag combination must obey is checked here, before any process
-group exists, so a bad command line fails on every rank with the same one sentence
-instead of hanging in a collective later.
+Each field declared with ``option`` is a command-line flag (``megatron_weipipe.flags``
+builds argparse from the fields). Every rule that a flag combination must obey is checked
+here or by the capability that owns the flag (FPDT, data, the schedules), before any
+process group exists, so a bad command line fails on every rank with the same one
+sentence instead of hanging in a collective later.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Optional
 
-from megatron_weipipe.data.datasets import DataConfig
-
-
-class ConfigError(ValueError):
-    """A flag value or combination that cannot work; the message names the flag and the rule."""
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
+from megatron_weipipe.data.config import DataConfig
+from megatron_weipipe.errors import ConfigError, require
+from megatron_weipipe.flags import option
+from megatron_weipipe.fpdt.config import FPDTConfig
+from megatron_weipipe.shape import ModelShape, ffn_hidden_size
 
 @dataclass
 class ModelConfig:
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None
-    num_query_groups: Optional[int] = None
-    group_query_attention: bool = False
-    kv_channels: Optional[int] = None
-    seq_length: int = 128
-    max_position_embeddings: Optional[int] = None
-    position_embedding_type: str = "learned_absolute"
-    rotary_base: int = 10000
-    rotary_percent: float = 1.0
-    normalization: str = "LayerNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    make_vocab_size_divisible_by: int = 128
-    transformer_impl: str = "auto"  # auto | local | transformer_engine
-    recompute_granularity: Optional[str] = None  # None | full | selective
-    recompute_method: Optional[str] = None  # uniform | block
-    recompute_num_layers: Optional[int] = None
-    layout_invariant_init: bool = True
+    num_layers: int = option(2, required=True, help="number of transformer layers")
+    hidden_size: int = option(64, required=True, help="transformer hidden size")
+    num_attention_heads: int = option(4, required=True, help="number of attention heads")
+    ffn_hidden_size: Optional[int] = option(
+        None, help="MLP width (default: 4 x hidden, or int(4h x 2/3 / 64) x 64 with --swiglu, as Megatron-LM)")
+    num_query_groups: Optional[int] = option(None, help="key/value heads for grouped-query attention")
+    group_query_attention: bool = option(False, help="grouped-query attention (with --num-query-groups)")
+    kv_channels: Optional[int] = option(None, help="head dimension (default: hidden / heads)")
+    seq_length: int = option(128, required=True, help="tokens per sample")
+    max_position_embeddings: Optional[int] = option(
+        None, help="size of the learned position table (default: --seq-length)")
+    position_embedding_type: str = option("learned_absolute", help="learned_absolute, rope or none")
+    rotary_base: int = option(10000, help="RoPE base")
+    rotary_percent: float = option(1.0, help="fraction of each head's channels that RoPE rotates")
+    normalization: str = option("LayerNorm", help="LayerNorm or RMSNorm")
+    norm_epsilon: float = option(1e-5, help="epsilon of the normalisation layers")
+    swiglu: bool = option(False, help="gated SiLU MLP (Llama)")
+    untie_embeddings_and_output_weights: bool = option(False, help="separate output layer weights")
+    add_bias_linear: bool = option(True, flag="--disable-bias-linear", inverted=True,
+                                   help="no biases in the linear layers")
+    add_qkv_bias: bool = option(False, help="bias in the QKV projection even with --disable-bias-linear")
+    hidden_dropout: float = option(0.1, help="dropout after attention and MLP")
+    attention_dropout: float = option(0.1, help="dropout of attention probabilities")
+    init_method_std: float = option(0.02, help="standard deviation of the weight initialisation")
+    make_vocab_size_divisible_by: int = option(
+        128, help="pad the vocabulary to a multiple of this x tensor-parallel size")
+    transformer_impl: str = option("auto", choices=("auto", "local", "transformer_engine"),
+                                   help="layer implementation (auto: transformer_engine when importable on a GPU)")
+    recompute_granularity: Optional[str] = option(None, help="activation recomputation: full or selective")
+    recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
+    recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "
+                                                           "layers per stage (block)")
+    layout_invariant_init: bool = option(
+        True, flag="--no-layout-invariant-init", inverted=True,
+        help="use megatron-core's per-rank initialisation instead of one that is the same for every parallel "
+             "layout (the default lets a run switch TP/PP/schedule at equal seed)")
+
+    def shape(self, micro_batch_size: int = 1, vocab_size: int = 32000) -> ModelShape:
+        """The shape arithmetic of this model (FFN width, parameter counts, FLOPs)."""
+        names = {f.name for f in fields(ModelShape)}
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name in names}
+        return ModelShape(**own, micro_batch_size=micro_batch_size, vocab_size=vocab_size)
+
+    @property
+    def ffn(self) -> int:
+        return ffn_hidden_size(self.hidden_size, self.swiglu, self.ffn_hidden_size)
 
     def validate(self) -> None:
-        _require(self.num_layers > 0, "--num-layers must be positive")
-        _require(self.hidden_size > 0, "--hidden-size must be positive")
-        _require(self.num_attention_heads > 0, "--num-attention-heads must be positive")
-        _require(
-            self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
-            f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-            f"({self.num_attention_heads}) unless --kv-channels is given",
-        )
         if self.group_query_attention or self.num_query_groups is not None:
-            _require(
-                self.num_query_groups is not None and self.num_query_groups > 0,
-                "--group-query-attention needs --num-query-groups > 0",
-            )
-            _require(
-                self.num_attention_heads % self.num_query_groups == 0,
-                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
-                f"--num-query-groups ({self.num_query_groups})",
-            )
-        _require(self.seq_length > 0, "--seq-length must be positive")
-        _require(
-            self.position_embedding_type in ("learned_absolute", "rope", "none"),
-            f"--position-embedding-type must be learned_absolute, rope or none, not "
-            f"{self.position_embedding_type!r}",
-        )
+            require(self.num_query_groups is not None and self.num_query_groups > 0,
+                    "--group-query-attention needs --num-query-groups > 0")
+        self.shape().validate()
         if self.position_embedding_type == "learned_absolute":
-            _require(
-                self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
-                f"--max-position-embeddings ({self.max_position_embeddings}) must be at least "
-                f"--seq-length ({self.seq_length})",
-            )
-        _require(
-            self.normalization in ("LayerNorm", "RMSNorm"),
-            f"--normalization must be LayerNorm or RMSNorm, not {self.normalization!r}",
-        )
-        _require(
-            self.transformer_impl in ("auto", "local", "transformer_engine"),
-            f"--transformer-impl must be local or transformer_engine, not {self.transformer_impl!r}",
-        )
-        _require(
-            self.recompute_granularity in (None, "full", "selective"),
-            f"--recompute-granularity must be full or selective, not {self.recompute_granularity!r}",
-        )
+            require(self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
+                    f"--max-position-embeddings ({self.max_position_embeddings}) must be at least "
+                    f"--seq-length ({self.seq_length})")
+        require(self.transformer_impl in ("auto", "local", "transformer_engine"),
+                f"--transformer-impl must be local or transformer_engine, not {self.transformer_impl!r}")
+        require(self.recompute_granularity in (None, "full", "selective"),
+                f"--recompute-granularity must be full or selective, not {self.recompute_granularity!r}")
         if self.recompute_granularity == "full":
-            _require(
-                self.recompute_method in ("uniform", "block"),
-                "--recompute-granularity full needs --recompute-method uniform or block",
-            )
-        _require(0.0 <= self.hidden_dropout < 1.0, "--hidden-dropout must be in [0, 1)")
-        _require(0.0 <= self.attention_dropout < 1.0, "--attention-dropout must be in [0, 1)")
+            require(self.recompute_method in ("uniform", "block"),
+                    "--recompute-granularity full needs --recompute-method uniform or block")
+        require(0.0 <= self.hidden_dropout < 1.0, "--hidden-dropout must be in [0, 1)")
+        require(0.0 <= self.attention_dropout < 1.0, "--attention-dropout must be in [0, 1)")
 
     @property
     def query_groups(self) -> int:
@@ -111,17 +93,24 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    context_parallel_size: int = 1
-    pipeline_schedule: Optional[str] = None  # None: 1f1b / interleaved / none from the sizes
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    distributed_backend: Optional[str] = None  # nccl | gloo; None: from the platform
-    distributed_timeout_minutes: int = 10
-    weipipe_grad_dtype: str = "fp32"  # fp32 | bf16 (the gradient flow of WeiPipe)
+    tensor_model_parallel_size: int = option(1, help="tensor-parallel size (TP)")
+    pipeline_model_parallel_size: int = option(1, help="pipeline-parallel size (PP): the 1F1B pipeline or the "
+                                                       "WeiPipe ring")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, help="layers per virtual stage (interleaved 1F1B)")
+    context_parallel_size: int = option(1, help="context-parallel size (CP): Ulysses/FPDT over the sequence")
+    pipeline_schedule: Optional[str] = option(
+        None, help="pipeline schedule, one of those listed at the end of --help (default: none at PP=1, "
+                   "interleaved with virtual stages, else 1f1b)")
+    sequence_parallel: bool = option(False, help="Megatron sequence parallelism (needs TP > 1)")
+    use_distributed_optimizer: bool = option(False, help="shard optimizer state over data-parallel ranks")
+    overlap_grad_reduce: bool = option(False, help="overlap the gradient all-reduce with backward")
+    distributed_backend: Optional[str] = option(None, choices=("nccl", "gloo"),
+                                                help="process-group backend (default: nccl on GPU hosts, gloo "
+                                                     "on CPU hosts)")
+    distributed_timeout_minutes: int = option(10, help="timeout of collectives")
+    weipipe_grad_dtype: str = option("fp32", choices=("fp32", "bf16"),
+                                     help="dtype of WeiPipe's circulating gradients")
 
     def virtual_pipeline_size(self, num_layers: int) -> Optional[int]:
         if self.num_layers_per_virtual_pipeline_stage is None:
@@ -135,52 +124,52 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None
-    train_iters: int = 10
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"  # constant | linear | cosine
-    lr_warmup_iters: int = 0
-    lr_warmup_fraction: Optional[float] = None
-    lr_decay_iters: Optional[int] = None
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    optimizer: str = "adam"
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
-    bf16: bool = False
-    fp16: bool = False
-    seed: int = 1234
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    skip_train: bool = False
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None
-    exit_signal_handler: bool = False
-    check_for_nan_in_loss_and_grad: bool = True
-    skip_nan_steps: bool = False
-    deterministic: bool = False
+    micro_batch_size: int = option(1, help="samples per microbatch")
+    global_batch_size: Optional[int] = option(None, help="samples per optimizer step (default: micro batch x "
+                                                         "data-parallel size)")
+    train_iters: int = option(10, required=True, help="optimizer steps to train")
+    lr: float = option(1e-4, help="peak learning rate")
+    min_lr: float = option(0.0, help="learning rate at the end of the decay")
+    lr_decay_style: str = option("cosine", help="constant, linear or cosine")
+    lr_warmup_iters: int = option(0, help="warm-up steps")
+    lr_warmup_fraction: Optional[float] = option(None, help="warm-up as a fraction of the decay steps")
+    lr_decay_iters: Optional[int] = option(None, help="decay steps (default: --train-iters)")
+    weight_decay: float = option(0.01, help="weight decay")
+    clip_grad: float = option(1.0, help="gradient-norm clipping (0: off)")
+    optimizer: str = option("adam", help="adam or sgd")
+    adam_beta1: float = option(0.9, help="Adam beta1")
+    adam_beta2: float = option(0.999, help="Adam beta2")
+    adam_eps: float = option(1e-8, help="Adam epsilon")
+    sgd_momentum: float = option(0.9, help="SGD momentum")
+    bf16: bool = option(False, help="bf16 weights and activations, fp32 master weights")
+    fp16: bool = option(False, help="fp16 weights and activations, fp32 master weights")
+    seed: int = option(1234, help="random seed (initialisation, dropout, data order)")
+    eval_interval: int = option(1000, help="steps between validation runs")
+    eval_iters: int = option(10, help="microbatch iterations per validation run")
+    skip_train: bool = option(False, help="load, validate, and stop")
+    exit_interval: Optional[int] = option(None, help="save and exit at a multiple of this step")
+    exit_duration_in_mins: Optional[float] = option(None, help="save and exit after this many minutes")
+    exit_signal_handler: bool = option(False, help="on SIGTERM finish the step, save and exit 0")
+    check_for_nan_in_loss_and_grad: bool = option(
+        True, flag="--no-check-for-nan-in-loss-and-grad", inverted=True,
+        help="do not stop on a NaN/Inf loss or gradient norm")
+    skip_nan_steps: bool = option(False, help="skip an optimizer step whose loss or grad is NaN/Inf")
+    deterministic: bool = option(False, flag="--deterministic-mode", help="deterministic algorithms only")
 
     def validate(self) -> None:
-        _require(self.micro_batch_size > 0, "--micro-batch-size must be positive")
-        _require(self.train_iters >= 0, "--train-iters must be non-negative")
-        _require(self.lr >= 0, "--lr must be non-negative")
-        _require(
-            self.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
-            f"--lr-decay-style must be constant, linear or cosine, not {self.lr_decay_style!r}",
-        )
-        _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive")
-        _require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, not {self.optimizer!r}")
-        _require(self.eval_interval > 0, "--eval-interval must be positive")
-        _require(self.clip_grad >= 0, "--clip-grad must be non-negative")
+        require(self.micro_batch_size > 0, "--micro-batch-size must be positive")
+        require(self.train_iters >= 0, "--train-iters must be non-negative")
+        require(self.lr >= 0, "--lr must be non-negative")
+        require(self.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+                f"--lr-decay-style must be constant, linear or cosine, not {self.lr_decay_style!r}")
+        require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive")
+        require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, not {self.optimizer!r}")
+        require(self.eval_interval > 0, "--eval-interval must be positive")
+        require(self.clip_grad >= 0, "--clip-grad must be non-negative")
         decay = self.lr_decay_iters or self.train_iters
-        _require(
-            self.warmup_iters == 0 or self.warmup_iters < decay,
-            f"--lr-warmup-iters ({self.warmup_iters}) must be smaller than --lr-decay-iters or --train-iters ({decay})",
-        )
+        require(self.warmup_iters == 0 or self.warmup_iters < decay,
+                f"--lr-warmup-iters ({self.warmup_iters}) must be smaller than --lr-decay-iters or --train-iters "
+                f"({decay})")
 
     @property
     def warmup_iters(self) -> int:
@@ -188,66 +177,49 @@ class TrainingConfig:
             return int(self.lr_warmup_fraction * (self.lr_decay_iters or self.train_iters))
         return self.lr_warmup_iters
 
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of weights and activations in the compute dtype."""
+        return 2 if (self.bf16 or self.fp16) else 4
+
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    ckpt_format: str = "torch_dist"
+    save: Optional[str] = option(None, help="directory to save checkpoints to")
+    load: Optional[str] = option(None, help="directory to resume from")
+    save_interval: Optional[int] = option(None, help="steps between checkpoints")
+    no_load_optim: bool = option(False, help="do not load the optimizer state")
+    no_load_rng: bool = option(False, help="do not load the RNG state")
+    finetune: bool = option(False, help="load weights only and start at step 0")
+    ckpt_format: str = option("torch_dist", help="torch_dist (megatron-core dist_checkpointing)")
 
     def validate(self) -> None:
-        _require(self.ckpt_format == "torch_dist", "--ckpt-format must be torch_dist")
-        _require(
-            self.save_interval is None or self.save_interval > 0, "--save-interval must be positive"
-        )
-        _require(
-            self.save_interval is None or self.save is not None, "--save-interval needs --save DIR"
-        )
+        require(self.ckpt_format == "torch_dist", "--ckpt-format must be torch_dist")
+        require(self.save_interval is None or self.save_interval > 0, "--save-interval must be positive")
+        require(self.save_interval is None or self.save is not None, "--save-interval needs --save DIR")
 
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 100
-    tensorboard_dir: Optional[str] = None
-    log_throughput: bool = True
-    timing_log_level: int = 0
+    log_interval: int = option(100, help="steps between log lines")
+    tensorboard_dir: Optional[str] = option(None, help="write TensorBoard scalars here")
+    log_throughput: bool = option(True, help="log tokens/s and TFLOP/s (always on)")
+    timing_log_level: int = option(0, help="accepted for Megatron compatibility")
 
     def validate(self) -> None:
-        _require(self.log_interval > 0, "--log-interval must be positive")
+        require(self.log_interval > 0, "--log-interval must be positive")
 
 
-@dataclass
-class FPDTFlags:
-    """--fpdt, --fpdt-chunk-size, --fpdt-offload: chunked Ulysses attention (FPDT)."""
-
-    enabled: bool = False
-    chunk_size: int = 65536
-    offload: bool = False
-
-    def validate_for(self, seq_length: int, context_parallel_size: int) -> None:
-        cp = context_parallel_size
-        _require(self.chunk_size > 0, "--fpdt-chunk-size must be positive")
-        _require(
-            self.chunk_size <= seq_length,
-            f"--fpdt-chunk-size ({self.chunk_size}) must not exceed --seq-length ({seq_length})",
-        )
-        _require(
-            seq_length % self.chunk_size == 0,
-            f"--seq-length ({seq_length}) must be a multiple of --fpdt-chunk-size ({self.chunk_size})",
-        )
-        _require(
-            self.chunk_size % cp == 0,
-            f"--fpdt-chunk-size ({self.chunk_size}) must be divisible by --context-parallel-size ({cp})",
-        )
+SECTIONS = ("model", "parallel", "training", "data", "checkpoint", "logging", "fpdt")
 
 
 @dataclass
 class PretrainConfig:
-    """The whole run; one object handed to every part of the framework."""
+    """The whole run; one object handed to every part of the framework.
+
+    Build it with ``megatron_weipipe.arguments.parse_config`` (flags, derived defaults,
+    every rule); ``validate`` only checks and never changes what it checks.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -255,7 +227,7 @@ class PretrainConfig:
     data: DataConfig = field(default_factory=lambda: DataConfig(seq_length=128))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    fpdt: FPDTFlags = field(default_factory=FPDTFlags)
+    fpdt: FPDTConfig = field(default_factory=FPDTConfig)
     world_size: int = 1
 
     # --- derived -------------------------------------------------------------------
@@ -270,113 +242,84 @@ class PretrainConfig:
 
     @property
     def schedule_name(self) -> str:
-        from megatron_weipipe.schedules.registry import default_schedule_name
+        """The pipeline schedule; filled in from the layout by ``arguments.resolve_defaults``."""
+        name = self.parallel.pipeline_schedule
+        if name is None:
+            raise ConfigError("no --pipeline-schedule resolved; build the config with arguments.parse_config")
+        return name
 
-        return self.parallel.pipeline_schedule or default_schedule_name(self)
+    def with_derived_defaults(self, schedule_name: str) -> "PretrainConfig":
+        """A copy with every default that depends on other values filled in: the global
+        batch, the schedule, and the data's sequence length and seed."""
+        t = self.training
+        gbs = t.global_batch_size
+        if gbs is None and self.world_size % self.parallel.model_parallel_size == 0:
+            gbs = t.micro_batch_size * self.data_parallel_size
+        return replace(
+            self,
+            training=replace(t, global_batch_size=gbs),
+            parallel=replace(self.parallel, pipeline_schedule=schedule_name),
+            data=replace(self.data, seq_length=self.model.seq_length, seed=t.seed,
+                         create_attention_mask=self.data.reset_attention_mask),
+        )
 
     def validate(self) -> None:
-        """Check every rule once; raises ConfigError with one sentence."""
+        """Check every rule of the flags (not the data files, see DataConfig.validate);
+        raises ConfigError with one sentence."""
         m, p, t = self.model, self.parallel, self.training
         m.validate()
         t.validate()
         self.checkpoint.validate()
         self.logging.validate()
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            _require(getattr(p, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
-        _require(
-            self.world_size % p.model_parallel_size == 0,
-            f"world size ({self.world_size}) must be divisible by tensor x pipeline x context "
-            f"parallel size ({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
-            f"{p.context_parallel_size} = {p.model_parallel_size})",
-        )
+            require(getattr(p, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        require(self.world_size % p.model_parallel_size == 0,
+                f"world size ({self.world_size}) must be divisible by tensor x pipeline x context "
+                f"parallel size ({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
+                f"{p.context_parallel_size} = {p.model_parallel_size})")
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        _require(
-            m.num_layers % pp == 0,
-            f"--num-layers ({m.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})",
-        )
+        require(m.num_layers % pp == 0,
+                f"--num-layers ({m.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")
         if p.num_layers_per_virtual_pipeline_stage is not None:
             v = p.num_layers_per_virtual_pipeline_stage
-            _require(v > 0, "--num-layers-per-virtual-pipeline-stage must be positive")
-            _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-            _require(
-                m.num_layers % (pp * v) == 0,
-                f"--num-layers ({m.num_layers}) must be divisible by pipeline size x "
-                f"--num-layers-per-virtual-pipeline-stage ({pp} x {v})",
-            )
-            _require(
-                m.num_layers // (pp * v) > 1,
-                "--num-layers-per-virtual-pipeline-stage must leave at least 2 virtual stages per rank",
-            )
-        _require(
-            m.num_attention_heads % tp == 0,
-            f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
-            f"--tensor-model-parallel-size ({tp})",
-        )
-        _require(
-            m.query_groups % tp == 0,
-            f"--num-query-groups ({m.query_groups}) must be divisible by --tensor-model-parallel-size ({tp})",
-        )
+            require(v > 0, "--num-layers-per-virtual-pipeline-stage must be positive")
+            require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+            require(m.num_layers % (pp * v) == 0,
+                    f"--num-layers ({m.num_layers}) must be divisible by pipeline size x "
+                    f"--num-layers-per-virtual-pipeline-stage ({pp} x {v})")
+            require(m.num_layers // (pp * v) > 1,
+                    "--num-layers-per-virtual-pipeline-stage must leave at least 2 virtual stages per rank")
+        require(m.num_attention_heads % tp == 0,
+                f"--num-attention-heads ({m.num_attention_heads}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+        require(m.query_groups % tp == 0,
+                f"--num-query-groups ({m.query_groups}) must be divisible by --tensor-model-parallel-size ({tp})")
         if p.sequence_parallel:
-            _require(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+            require(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
         dp = self.data_parallel_size
-        if t.global_batch_size is None:
-            t.global_batch_size = t.micro_batch_size * dp
-        _require(
-            t.global_batch_size % (t.micro_batch_size * dp) == 0,
-            f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size x "
-            f"data-parallel size ({t.micro_batch_size} x {dp})",
-        )
+        require(t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size x "
+                f"data-parallel size ({t.micro_batch_size} x {dp})")
         if p.context_parallel_size > 1:
             cp = p.context_parallel_size
-            _require(
-                m.num_attention_heads % (cp * tp) == 0,
-                f"--num-attention-heads ({m.num_attention_heads}) must be divisible by context x tensor "
-                f"parallel size ({cp} x {tp}) for Ulysses attention",
-            )
-            _require(
-                m.query_groups % (cp * tp) == 0,
-                f"--num-query-groups ({m.query_groups}) must be divisible by context x tensor parallel "
-                f"size ({cp} x {tp}) for Ulysses attention",
-            )
-            _require(
-                m.seq_length % cp == 0,
-                f"--seq-length ({m.seq_length}) must be divisible by --context-parallel-size ({cp})",
-            )
+            require(m.num_attention_heads % (cp * tp) == 0,
+                    f"--num-attention-heads ({m.num_attention_heads}) must be divisible by context x tensor "
+                    f"parallel size ({cp} x {tp}) for Ulysses attention")
+            require(m.query_groups % (cp * tp) == 0,
+                    f"--num-query-groups ({m.query_groups}) must be divisible by context x tensor parallel "
+                    f"size ({cp} x {tp}) for Ulysses attention")
+            require(m.seq_length % cp == 0,
+                    f"--seq-length ({m.seq_length}) must be divisible by --context-parallel-size ({cp})")
         if p.context_parallel_size > 1 or self.fpdt.enabled:
-            _require(
-                m.attention_dropout == 0.0,
-                "--attention-dropout must be 0 with Ulysses/FPDT attention (--context-parallel-size > 1 or --fpdt)",
-            )
-            _require(
-                not self.data.reset_attention_mask,
-                "--reset-attention-mask is not supported with Ulysses/FPDT attention (causal masks only)",
-            )
-            _require(not p.sequence_parallel, "--sequence-parallel cannot be combined with --context-parallel-size > 1 or --fpdt")
+            require(m.attention_dropout == 0.0,
+                    "--attention-dropout must be 0 with Ulysses/FPDT attention (--context-parallel-size > 1 or "
+                    "--fpdt)")
+            require(not self.data.reset_attention_mask,
+                    "--reset-attention-mask is not supported with Ulysses/FPDT attention (causal masks only)")
+            require(not p.sequence_parallel,
+                    "--sequence-parallel cannot be combined with --context-parallel-size > 1 or --fpdt")
         if self.fpdt.enabled:
-            self.fpdt.validate_for(seq_length=m.seq_length, context_parallel_size=p.context_parallel_size)
-        _require(p.weipipe_grad_dtype in ("fp32", "bf16"), "--weipipe-grad-dtype must be fp32 or bf16")
-        self.data.seq_length = m.seq_length
-        self.data.seed = t.seed
-        try:
-            self.data.validate()
-        except ConfigError:
-            raise
-        except ValueError as e:  # missing or corrupt data files: same one-line treatment
-            raise ConfigError(str(e)) from e
-
-        from megatron_weipipe.schedules.registry import get_schedule
-
-        get_schedule(self.schedule_name).check_config(self)
+            self.fpdt.validate(m.seq_length, p.context_parallel_size)
 
     def to_dict(self) -> dict:
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = {g.name: getattr(v, g.name) for g in fields(v)} if hasattr(v, "__dataclass_fields__") else v
-        return out
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
-    """Megatron's padding: a multiple of divisible_by x TP so the embedding splits evenly."""
-    multiple = divisible_by * tensor_parallel_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+        return asdict(self)

@@ -11,22 +11,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_weipipe.byte_counter import process_byte_counter
 from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.context import RunContext
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe.platform import detect_platform, install_cpu_adapter
-from megatron_weipipe.training.byte_counter import BYTE_COUNTER
 
 log = logging.getLogger(__name__)
 
 
-def initialize_distributed(cfg: PretrainConfig) -> ParallelGroups:
-    """torch.distributed (NCCL on GPU hosts, gloo on CPU hosts) + megatron-core parallel_state."""
+def initialize_distributed(cfg: PretrainConfig) -> RunContext:
+    """torch.distributed (NCCL on GPU hosts, gloo on CPU hosts) + megatron-core parallel_state;
+    returns the run's services."""
     from megatron.core import parallel_state
 
     platform = detect_platform()
     if not platform.is_cuda:
         install_cpu_adapter()
-    BYTE_COUNTER.install()
+    counter = process_byte_counter()
     backend = cfg.parallel.distributed_backend or platform.backend
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     if not dist.is_initialized():
@@ -56,7 +58,7 @@ def initialize_distributed(cfg: PretrainConfig) -> ParallelGroups:
     )
     groups = ParallelGroups.from_parallel_state()
     set_random_seed(cfg.training.seed, groups)
-    return groups
+    return RunContext(groups=groups, platform=platform, bytes=counter)
 
 
 def set_random_seed(seed: int, groups: ParallelGroups) -> None:

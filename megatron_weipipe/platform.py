@@ -25,7 +25,11 @@ _installed = False
 
 @dataclass(frozen=True)
 class Platform:
-    """The device, process-group backend and defaults of this host."""
+    """The device, process-group backend and device rules of this host.
+
+    Everything that differs between a CUDA host and a CPU host is asked here (and only
+    here), so ``MEGATRON_WEIPIPE_FORCE_CPU=1`` or any future rule holds everywhere.
+    """
 
     device_type: str  # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
@@ -34,8 +38,31 @@ class Platform:
     def is_cuda(self) -> bool:
         return self.device_type == "cuda"
 
-    def device(self, local_rank: int = 0) -> torch.device:
-        return torch.device("cuda", local_rank) if self.is_cuda else torch.device("cpu")
+    @property
+    def pin_memory(self) -> bool:
+        """Page-locked host buffers speed up copies to a GPU; on a CPU host they are pointless."""
+        return self.is_cuda
+
+    def current_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
+
+    def transformer_engine_available(self) -> bool:
+        import importlib.util
+
+        return self.is_cuda and importlib.util.find_spec("transformer_engine") is not None
+
+    def peak_memory_gb(self) -> tuple[float, str]:
+        """Peak device memory (CUDA) or peak resident set (CPU), in GB, with its meaning."""
+        if self.is_cuda:
+            return torch.cuda.max_memory_allocated() / 1e9, "max allocated"
+        import resource
+        import sys
+
+        rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss_kb * (1 if sys.platform == "darwin" else 1024) / 1e9, "peak RSS"
+
+    def rng_streams(self, *, host: bool = False, tracker=None) -> "RNGStreams":
+        return RNGStreams(self, host=host, tracker=tracker)
 
 
 def detect_platform() -> Platform:
@@ -44,6 +71,60 @@ def detect_platform() -> Platform:
     if torch.cuda.is_available() and not force_cpu:
         return Platform("cuda", "nccl")
     return Platform("cpu", "gloo")
+
+
+class RNGStreams:
+    """Snapshot and restore of the random streams training draws from.
+
+    Always torch's CPU generator and, on a CUDA host, the current device's; with
+    ``host=True`` also Python's and numpy's (a checkpoint restores them); with a
+    ``tracker`` (megatron-core's CUDA RNG tracker) its named streams, which dropout inside
+    tensor-parallel regions draws from. A recomputed forward replays the snapshot taken
+    before the original one, so it draws the same dropout masks. The state is a dict of
+    tensors and plain values, loadable with ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self, platform: Platform, *, host: bool = False, tracker=None):
+        self.platform, self.host, self.tracker = platform, host, tracker
+
+    def get_state(self) -> dict:
+        state = {
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if self.platform.is_cuda else None,
+        }
+        if self.host:
+            import random
+
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = np.random.get_state()
+            state["random_rng_state"] = random.getstate()
+            state["np_rng_state"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                                     float(cached))
+        if self.tracker is not None:
+            state["rng_tracker_states"] = dict(self.tracker.get_states())
+        return state
+
+    def set_state(self, state: dict) -> None:
+        torch.set_rng_state(state["torch_rng_state"])
+        if self.platform.is_cuda and state.get("cuda_rng_state") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng_state"])
+        if self.host and "random_rng_state" in state:
+            import random
+
+            import numpy as np
+
+            random.setstate(_as_tuples(state["random_rng_state"]))
+            kind, keys, pos, has_gauss, cached = state["np_rng_state"]
+            keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+            np.random.set_state((kind, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+        if self.tracker is not None and "rng_tracker_states" in state:
+            self.tracker.set_states(dict(state["rng_tracker_states"]))
+
+
+def _as_tuples(x):
+    """random.setstate wants the tuples it produced (a round trip may turn them into lists)."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _is_cuda_device(device) -> bool:
@@ -165,7 +246,3 @@ def install_cpu_adapter() -> None:
     # A global mode: megatron-core's device="cuda" literals are spread across many modules.
     _CudaToCpuMode().__enter__()
     log.info("no GPU visible: megatron-core CUDA calls redirected to the CPU (gloo backend)")
-
-
-def cpu_adapter_installed() -> bool:
-    return _installed

@@ -81,9 +81,9 @@ def _one_line_error(fn, match):
 
 def test_bad_configs_raise_one_line_value_errors():
     spec = AttentionSpec(32, 4, 8, 2)
-    _one_line_error(lambda: FPDTConfig(chunk_size=6).validate(24, 4), "not divisible by chunks x context-parallel")
-    _one_line_error(lambda: FPDTConfig(chunk_size=5).validate(24, 1), "not a multiple of chunk_size")
-    _one_line_error(lambda: FPDTConfig(chunk_size=64).validate(32, 2), "larger than the sequence length")
+    _one_line_error(lambda: FPDTConfig(chunk_size=6).validate(24, 4), "must be divisible by --context-parallel-size")
+    _one_line_error(lambda: FPDTConfig(chunk_size=5).validate(24, 1), "must be a multiple of --fpdt-chunk-size")
+    _one_line_error(lambda: FPDTConfig(chunk_size=64).validate(32, 2), "must not exceed --seq-length")
     _one_line_error(lambda: AttentionSpec(32, 6, 8, 6).validate(4), "num_heads=6 .* divisible by the context-parallel size 4")
     _one_line_error(lambda: spec.validate(4), "num_query_groups=2 .* divisible by the context-parallel size 4")
     _one_line_error(lambda: AttentionSpec(32, 4, 8, attn_mask_type="padding").validate(1), "causal only")
@@ -94,11 +94,11 @@ def test_bad_configs_raise_one_line_value_errors():
     x = torch.randn(16, 1, 32)
     w = torch.randn(spec.qkv_size, 32)
     wp = torch.randn(32, 32)
-    _one_line_error(lambda: fpdt_attention(x, w, None, wp, None, spec, FPDTConfig(chunk_size=32)), "larger than")
-    _one_line_error(lambda: fpdt_attention(x, w[:-1], None, wp, None, spec, FPDTConfig()), "linear_qkv weight")
+    _one_line_error(lambda: fpdt_attention(x, w, None, wp, None, spec, FPDTConfig(chunk_size=32)), "must not exceed")
+    _one_line_error(lambda: fpdt_attention(x, w[:-1], None, wp, None, spec, FPDTConfig(chunk_size=None)), "linear_qkv weight")
     bad_mask = AttentionSpec(32, 4, 8, 2, attn_mask_type="bidirectional")
-    _one_line_error(lambda: fpdt_attention(x, w, None, wp, None, bad_mask, FPDTConfig()), "causal only")
-    mod = FPDTSelfAttention(spec, FPDTConfig())
+    _one_line_error(lambda: fpdt_attention(x, w, None, wp, None, bad_mask, FPDTConfig(chunk_size=None)), "causal only")
+    mod = FPDTSelfAttention(spec, FPDTConfig(chunk_size=None))
     _one_line_error(lambda: mod(x, attention_mask=torch.ones(1, 1, 16, 16, dtype=torch.bool)), "causal only")
 
 
@@ -161,7 +161,7 @@ def test_bf16_runs_on_cpu_flash():
     x = torch.randn(32, 2, 32, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(spec.qkv_size, 32) * 0.2).bfloat16().requires_grad_(True)
     wp = (torch.randn(32, 32) * 0.2).bfloat16().requires_grad_(True)
-    one = fpdt_attention(x, w, None, wp, None, spec, FPDTConfig())
+    one = fpdt_attention(x, w, None, wp, None, spec, FPDTConfig(chunk_size=None))
     four = fpdt_attention(x, w, None, wp, None, spec, FPDTConfig(chunk_size=8, offload=True))
     assert (one.float() - four.float()).abs().max() < 0.05
     four.float().sum().backward()
@@ -224,7 +224,7 @@ def test_two_microbatches_in_flight_take_two_buffer_sets():
     spec = AttentionSpec(32, 4, 8, 2)
     mod = FPDTSelfAttention(spec, FPDTConfig(chunk_size=8, offload=True), dtype=torch.float64)
     xs = [torch.randn(32, 1, 32, dtype=torch.float64) for _ in range(2)]
-    refs = [fpdt_attention(x, mod.linear_qkv.weight, mod.linear_qkv.bias, mod.linear_proj.weight, None, spec, FPDTConfig()) for x in xs]
+    refs = [fpdt_attention(x, mod.linear_qkv.weight, mod.linear_qkv.bias, mod.linear_proj.weight, None, spec, FPDTConfig(chunk_size=None)) for x in xs]
     grads_ref = [torch.autograd.grad(r.sum(), mod.linear_qkv.weight)[0] for r in refs]
     for _ in range(2):
         outs = [mod(x)[0] for x in xs]  # both forwards first
@@ -324,5 +324,5 @@ def test_chunk_counts_from_config():
     assert cfg.validate(8192, 2) == 8 and cfg.mlp_num_chunks(8192) == 8 and cfg.loss_num_chunks(8192) == 8
     cfg = FPDTConfig(chunk_size=1024, mlp_chunks=2, loss_chunks=16)
     assert cfg.mlp_num_chunks(8192) == 2 and cfg.loss_num_chunks(8192) == 16
-    assert FPDTConfig().validate(8192, 4) == 1
-    _one_line_error(lambda: FPDTConfig(mlp_chunks=3).validate(64, 2), "mlp_chunks=3")
+    assert FPDTConfig(chunk_size=None).validate(8192, 4) == 1
+    _one_line_error(lambda: FPDTConfig(chunk_size=None, mlp_chunks=3).validate(64, 2), "mlp_chunks=3")

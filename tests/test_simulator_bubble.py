@@ -18,7 +18,7 @@ from megatron_weipipe.simulator.events import EventModel, replay
 from megatron_weipipe.simulator.hardware import Cluster, DEVICES, LinkSpec
 from megatron_weipipe.simulator.layout import Layout
 from megatron_weipipe.simulator.project import RunSpec, simulate_run
-from megatron_weipipe.simulator.shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 FREE = LinkSpec("free", 1e12, 0.0)
 ALL = ("1f1b", "interleaved", "weipipe-naive", "weipipe-interleave", "weipipe-zb")

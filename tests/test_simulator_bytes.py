@@ -12,7 +12,7 @@ from megatron_weipipe.simulator.costs import CostModel
 from megatron_weipipe.simulator.hardware import DEVICES, Cluster, LinkSpec
 from megatron_weipipe.simulator.layout import Layout
 from megatron_weipipe.simulator.project import FLAGS_BYTES, NORM_BYTES, RunSpec, counter_bytes, simulate_run
-from megatron_weipipe.simulator.shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 SHAPE = ModelShape(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=1000)

@@ -10,7 +10,7 @@ from megatron_weipipe.schedules.timeline import build
 from megatron_weipipe.schedules.weipipe.actions import Kind
 from megatron_weipipe.simulator.calibrate import ChunkTimes, HostCalibration, calibrate
 from megatron_weipipe.simulator.costs import from_calibration, scale_chunk
-from megatron_weipipe.simulator.shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 TINY = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                   vocab_size=200)

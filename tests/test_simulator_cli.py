@@ -52,13 +52,18 @@ def test_fpdt_section(capsys):
     (["--schedules", "interleaved", "--virtual-stages", "3"], "interleaved"),
     (["--context-parallel-size", "16"], "context"),
     (["--fpdt", "--fpdt-chunk-size", "3000", "--context-parallel-size", "2"], "--fpdt-chunk-size"),
-    (["--context-parallel-size", "2", "--schedules", "weipipe-zb"], "--context-parallel-size 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, needle):
     rc = main(SMALL + extra)
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err
+
+
+def test_weipipe_with_context_parallelism_is_simulated(capsys):
+    """The training rules accept a WeiPipe ring per context-parallel rank, and so does the simulator."""
+    rc = main(SMALL + ["--context-parallel-size", "2", "--schedules", "weipipe-zb"])
+    assert rc == 0 and "| weipipe-zb |" in capsys.readouterr().out
 
 
 def test_pipeline_schedules_need_a_pipeline(capsys):

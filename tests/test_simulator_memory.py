@@ -14,7 +14,7 @@ from megatron_weipipe.simulator import memory
 from megatron_weipipe.simulator.calibrate import pretrain_config_for, single_process_megatron
 from megatron_weipipe.simulator.layout import Layout
 from megatron_weipipe.simulator.project import RunSpec
-from megatron_weipipe.simulator.shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 GPT = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, micro_batch_size=2,
                  vocab_size=1000)

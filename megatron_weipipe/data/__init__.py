@@ -1,39 +1,33 @@
-"""Data layer: offline tokenizers, Megatron indexed datasets via megatron-core, mock data."""
+"""Data layer: offline tokenizers, Megatron indexed datasets via megatron-core, mock data.
 
-from megatron_weipipe.data.datasets import (
-    DataConfig,
-    IndexedDatasetInfo,
-    build_data_loader,
-    build_gpt_dataset_config,
-    build_train_valid_test_datasets,
-    check_indexed_dataset,
-    parse_blend,
-)
-from megatron_weipipe.data.samplers import PretrainingSampler
-from megatron_weipipe.data.tokenizers import (
-    TOKENIZER_TYPES,
-    ByteLevelTokenizer,
-    HuggingFaceTokenizer,
-    NullTokenizer,
-    SentencePieceTokenizer,
-    Tokenizer,
-    build_tokenizer,
-)
+Names are loaded on first use, so that reading the data flags (``data.config``) imports
+neither torch nor megatron-core.
+"""
 
-__all__ = [
-    "DataConfig",
-    "IndexedDatasetInfo",
-    "build_data_loader",
-    "build_gpt_dataset_config",
-    "build_train_valid_test_datasets",
-    "check_indexed_dataset",
-    "parse_blend",
-    "PretrainingSampler",
-    "TOKENIZER_TYPES",
-    "ByteLevelTokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-    "SentencePieceTokenizer",
-    "Tokenizer",
-    "build_tokenizer",
-]
+import importlib
+
+_EXPORTS = {
+    "DataConfig": "config",
+    "IndexedDatasetInfo": "config",
+    "check_indexed_dataset": "config",
+    "parse_blend": "config",
+    "build_data_loader": "datasets",
+    "build_gpt_dataset_config": "datasets",
+    "build_train_valid_test_datasets": "datasets",
+    "PretrainingSampler": "samplers",
+    "TOKENIZER_TYPES": "tokenizers",
+    "ByteLevelTokenizer": "tokenizers",
+    "HuggingFaceTokenizer": "tokenizers",
+    "NullTokenizer": "tokenizers",
+    "SentencePieceTokenizer": "tokenizers",
+    "Tokenizer": "tokenizers",
+    "build_tokenizer": "tokenizers",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

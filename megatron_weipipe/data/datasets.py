@@ -10,203 +10,17 @@ and a resumable data loader.
 from __future__ import annotations
 
 import copy
-import os
-import re
-import struct
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy
 import torch
 import torch.distributed as dist
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import DType
 
+from megatron_weipipe.data.config import DataConfig, check_indexed_dataset, parse_blend
 from megatron_weipipe.data.samplers import PretrainingSampler
-from megatron_weipipe.data.tokenizers import Tokenizer, check_tokenizer_args
-
-_IDX_MAGIC = b"MMIDIDX\x00\x00"
-_IDX_HEADER_BYTES = 34  # magic (9) + version (8) + dtype code (1) + sequence and document counts (8 + 8)
-_SPLIT_RE = re.compile(r"^\s*\d+(\.\d*)?(\s*[,/]\s*\d+(\.\d*)?){0,2}\s*$")
-_SPLIT_NAMES = ("train", "valid", "test")
-
-
-@dataclass(frozen=True)
-class IndexedDatasetInfo:
-    """What a consistent .idx promises about its .bin."""
-
-    prefix: str
-    dtype: type
-    num_sequences: int
-    num_documents: int
-    bin_bytes: int
-
-
-def _describe(path: str) -> str:
-    return f"{path} ({os.path.getsize(path)} bytes)"
-
-
-def check_indexed_dataset(prefix: str) -> IndexedDatasetInfo:
-    """Check that ``prefix``.idx parses and ``prefix``.bin holds every byte it promises.
-
-    Reads only the header and a few entries, so it is cheap for any dataset size: in a
-    well-formed index the last sequence's pointer plus its length times the dtype size is
-    the sum of all sequence lengths times the dtype size. Raises ValueError naming the file.
-    """
-    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
-            raise ValueError(f"data file {path} does not exist (data prefix {prefix}).")
-    idx_size = os.path.getsize(idx_path)
-    with open(idx_path, "rb") as f:
-        head = f.read(_IDX_HEADER_BYTES)
-        if len(head) < _IDX_HEADER_BYTES:
-            raise ValueError(f"index file {_describe(idx_path)} is truncated inside its header.")
-        magic, version, code, num_seq, num_doc = struct.unpack("<9sQBQQ", head)
-        if magic != _IDX_MAGIC:
-            raise ValueError(f"index file {idx_path} is not a Megatron indexed dataset (bad magic bytes).")
-        if version != 1:
-            raise ValueError(f"index file {idx_path} has unsupported version {version}.")
-        try:
-            dtype = DType.dtype_from_code(code)
-        except ValueError:
-            raise ValueError(f"index file {idx_path} has unknown token dtype code {code}.") from None
-        need = _IDX_HEADER_BYTES + num_seq * (4 + 8) + num_doc * 8
-        if idx_size < need:
-            raise ValueError(
-                f"index file {_describe(idx_path)} is truncated: its header promises {num_seq} "
-                f"sequences and {num_doc} documents, which need {need} bytes."
-            )
-        if num_seq == 0 or num_doc < 2:
-            raise ValueError(f"index file {idx_path} holds no documents.")
-        lengths_at = _IDX_HEADER_BYTES
-        pointers_at = lengths_at + 4 * num_seq
-        docs_at = pointers_at + 8 * num_seq
-        f.seek(lengths_at + 4 * (num_seq - 1))
-        (last_len,) = struct.unpack("<i", f.read(4))
-        f.seek(pointers_at)
-        (first_ptr,) = struct.unpack("<q", f.read(8))
-        f.seek(pointers_at + 8 * (num_seq - 1))
-        (last_ptr,) = struct.unpack("<q", f.read(8))
-        f.seek(docs_at)
-        (first_doc,) = struct.unpack("<q", f.read(8))
-        f.seek(docs_at + 8 * (num_doc - 1))
-        (last_doc,) = struct.unpack("<q", f.read(8))
-    if first_ptr != 0 or last_ptr < 0 or last_len < 0 or first_doc != 0 or last_doc != num_seq:
-        raise ValueError(f"index file {idx_path} is corrupt (inconsistent pointers or document ends).")
-    itemsize = numpy.dtype(dtype).itemsize
-    bin_need = last_ptr + last_len * itemsize
-    bin_size = os.path.getsize(bin_path)
-    if bin_size < bin_need:
-        raise ValueError(
-            f"data file {bin_path} ({bin_size} bytes) is truncated: its index {idx_path} promises "
-            f"{bin_need} bytes of {numpy.dtype(dtype).name} tokens."
-        )
-    return IndexedDatasetInfo(prefix, dtype, num_seq, num_doc - 1, bin_need)
-
-
-def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
-    """Megatron blend syntax: ``[prefix, ...]`` or ``[w1, prefix1, w2, prefix2, ...]``."""
-    items = [str(p).strip() for p in data_path]
-    if not items:
-        raise ValueError("data_path is empty; give at least one data prefix.")
-
-    def is_number(s: str) -> bool:
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
-    if len(items) % 2 == 0 and all(is_number(w) for w in items[0::2]):
-        weights = [float(w) for w in items[0::2]]
-        prefixes = items[1::2]
-        if any(is_number(p) for p in prefixes):
-            raise ValueError(f"data_path {data_path} must alternate weight and prefix.")
-        if any(not w > 0 for w in weights):
-            raise ValueError(f"data_path weights must be positive, got {weights}.")
-        return prefixes, weights
-    if any(is_number(p) for p in items):
-        raise ValueError(
-            f"data_path {data_path} mixes weights and prefixes; use [prefix, ...] or [w1, prefix1, w2, prefix2, ...]."
-        )
-    return items, None
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Where training text comes from and how samples are cut from it."""
-
-    data_path: list[str] | None = None
-    """Megatron blend: [prefix] or [w1, prefix1, w2, prefix2, ...]; prefixes name .bin/.idx pairs."""
-    split: str = "969,30,1"
-    """Train/valid/test weights over each prefix's documents, in order."""
-    mock_data: bool = False
-    """Synthetic tokens from megatron-core's MockGPTDataset instead of data_path."""
-    seq_length: int
-    seed: int = 1234
-    """Seeds the document and sample shuffles."""
-    data_cache_path: str | None = None
-    """Where shuffle indices are cached; None puts them next to each prefix, as Megatron does."""
-    num_workers: int = 0
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    create_attention_mask: bool = True
-    """Materialise the [1, s, s] causal mask per sample; turn off for long sequences."""
-    tokenizer_type: str = "ByteLevelTokenizer"
-    tokenizer_model: str | None = None
-    vocab_size: int | None = None
-
-    def validate(self) -> None:
-        """Raise ValueError with one sentence for the first bad value or bad data file."""
-        if not isinstance(self.seq_length, int) or self.seq_length < 1:
-            raise ValueError(f"seq_length must be a positive integer, got {self.seq_length!r}.")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
-        if not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ValueError(f"num_workers must be a non-negative integer, got {self.num_workers!r}.")
-        if not isinstance(self.split, str) or not _SPLIT_RE.match(self.split):
-            raise ValueError(f"split {self.split!r} must be up to three numbers like '969,30,1'.")
-        if sum(float(x) for x in re.split(r"[,/]", self.split)) <= 0:
-            raise ValueError(f"split {self.split!r} must have a positive total.")
-        check_tokenizer_args(self.tokenizer_type, self.tokenizer_model, self.vocab_size)
-        if self.data_cache_path is not None and os.path.exists(self.data_cache_path):
-            if not os.path.isdir(self.data_cache_path):
-                raise ValueError(f"data_cache_path {self.data_cache_path} exists and is not a directory.")
-        if self.mock_data:
-            if self.data_path:
-                raise ValueError("set either data_path or mock_data, not both.")
-            return
-        if not self.data_path:
-            raise ValueError("no training data: set data_path to a .bin/.idx prefix, or mock_data.")
-        if isinstance(self.data_path, str) or not isinstance(self.data_path, (list, tuple)):
-            raise ValueError(f"data_path must be a list of strings, got {self.data_path!r}.")
-        prefixes, _ = parse_blend(self.data_path)
-        for prefix in prefixes:
-            info = check_indexed_dataset(prefix)
-            self._check_split_has_documents(info)
-
-    def _check_split_has_documents(self, info: IndexedDatasetInfo) -> None:
-        # megatron-core loops forever building a split that has no tokens: refuse it here.
-        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
-        for name, bounds in zip(_SPLIT_NAMES, matrix):
-            if bounds is None:
-                continue
-            beg = int(round(bounds[0] * info.num_sequences))
-            end = int(round(bounds[1] * info.num_sequences))
-            if end <= beg:
-                raise ValueError(
-                    f"split {self.split!r} leaves the {name} split no documents of {info.prefix} "
-                    f"({info.num_sequences} documents); give that split weight 0 or use more data."
-                )
-
+from megatron_weipipe.data.tokenizers import Tokenizer
 
 class _Builder(BlendedMegatronDatasetBuilder):
     """megatron-core's builder, made safe to blend without a process group.
@@ -282,6 +96,7 @@ def build_data_loader(
     data_parallel_size: int,
     num_workers: int = 0,
     drop_last: bool = True,
+    pin_memory: bool = False,
 ) -> torch.utils.data.DataLoader | None:
     """A loader over this rank's micro-batches, resuming after ``consumed_samples``.
 
@@ -302,6 +117,6 @@ def build_data_loader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
     )

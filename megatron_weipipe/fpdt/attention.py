@@ -317,6 +317,29 @@ def fpdt_attention(
     P = group_size(cp_group)
     spec.validate(P)
     u = config.validate(hidden_states.shape[0] * P, P)
+    return fpdt_attention_checked(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, spec, config, u,
+                                  cp_group, tp_group, pool=pool, stats=stats, counter=counter)
+
+
+def fpdt_attention_checked(
+    hidden_states: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    proj_weight: torch.Tensor,
+    proj_bias: torch.Tensor | None,
+    spec: AttentionSpec,
+    config: FPDTConfig,
+    num_chunks: int,
+    cp_group=None,
+    tp_group=None,
+    *,
+    pool: HostBufferPool | None = None,
+    stats: OffloadStats | None = None,
+    counter: CommCounter | None = None,
+) -> torch.Tensor:
+    """``fpdt_attention`` for callers that validated ``spec`` and ``config`` once up front
+    (the model checks them at start-up); ``num_chunks`` is what ``config.validate`` returned."""
+    u = num_chunks
     _check_shapes(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, spec)
     kernel = select_kernel(config.kernel, hidden_states.device, hidden_states.dtype, spec.head_dim)
     if config.offload and pool is None:

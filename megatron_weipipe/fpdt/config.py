@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_weipipe.errors import require
+from megatron_weipipe.flags import option
+
 KERNELS = ("auto", "math", "cpu_flash", "cuda_flash")
 CAUSAL_NAMES = ("causal", "AttnMaskType.causal")
 
@@ -103,11 +106,12 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class FPDTConfig:
-    """How the sequence is chunked and where chunk state lives.
+    """How the sequence is chunked and where chunk state lives; the FPDT flags and their rules.
 
+    enabled: ``--fpdt``; with context parallelism but without it, attention is plain Ulysses.
     chunk_size: C, in GLOBAL tokens after the all-to-all (DeepSpeed's
-        ``--ds-sequence-parallel-fpdt-chunk-size``). None or >= seq_len means one chunk,
-        which is plain Ulysses with no extra work.
+        ``--ds-sequence-parallel-fpdt-chunk-size``). None means one chunk, which is plain
+        Ulysses with no extra work.
     offload: keep per-chunk q/k/v/o/lse/layer-input in host memory (pinned on CUDA),
         double-buffered back to the device.
     kernel: block attention kernel, see fpdt.kernels ("auto" picks by device and dtype).
@@ -116,8 +120,12 @@ class FPDTConfig:
         layer + cross-entropy (None: same count as attention).
     """
 
-    chunk_size: int | None = None
-    offload: bool = False
+    enabled: bool = option(False, flag="--fpdt", help="chunked Ulysses attention (FPDT) over the context-parallel "
+                                                      "group, with chunked MLP and loss")
+    chunk_size: int | None = option(65536, flag="--fpdt-chunk-size",
+                                    help="FPDT chunk, in tokens of the whole sequence")
+    offload: bool = option(False, flag="--fpdt-offload", help="keep FPDT chunk state in host memory, "
+                                                             "double-buffered back to the device")
     kernel: str = "auto"
     overlap_comm: bool = True
     mlp_chunks: int | None = None
@@ -138,40 +146,34 @@ class FPDTConfig:
         return self.loss_chunks or self.num_chunks(seq_len)
 
     def validate(self, seq_len: int, cp_size: int = 1) -> int:
-        """Check the layout for a global sequence length; return the chunk count u."""
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel={self.kernel!r} is not one of {KERNELS}")
-        if self.chunk_size is not None:
-            if self.chunk_size <= 0:
-                raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
-            if self.chunk_size > seq_len:
-                raise ValueError(
-                    f"chunk_size={self.chunk_size} is larger than the sequence length {seq_len}"
-                )
-            if seq_len % self.chunk_size:
-                raise ValueError(
-                    f"sequence length {seq_len} is not a multiple of chunk_size={self.chunk_size}"
-                )
+        """Check the layout for a global sequence length (raises ConfigError); return the chunk count u.
+
+        The one home of the FPDT rules: start-up, the simulator and direct calls of the
+        kernels all check here.
+        """
+        require(self.kernel in KERNELS, f"kernel={self.kernel!r} is not one of {KERNELS}")
+        C = self.chunk_size
+        if C is not None:
+            require(C > 0, "--fpdt-chunk-size must be positive")
+            require(C <= seq_len, f"--fpdt-chunk-size ({C}) must not exceed --seq-length ({seq_len})")
+            require(seq_len % C == 0, f"--seq-length ({seq_len}) must be a multiple of --fpdt-chunk-size ({C})")
+            require(C % cp_size == 0,
+                    f"--fpdt-chunk-size ({C}) must be divisible by --context-parallel-size ({cp_size})")
         u = self.num_chunks(seq_len)
         check_layout(seq_len, cp_size, u)
         for name in ("mlp_chunks", "loss_chunks"):
             n = getattr(self, name)
-            if n is not None and (n <= 0 or (seq_len // cp_size) % n):
-                raise ValueError(
-                    f"{name}={n} must divide the local sequence length {seq_len // cp_size}"
-                )
+            require(n is None or (n > 0 and (seq_len // cp_size) % n == 0),
+                    f"{name}={n} must divide the local sequence length {seq_len // cp_size}")
         return u
 
 
 def check_layout(seq_len: int, cp_size: int, num_chunks: int) -> None:
     """The FPDT layout needs S divisible by u*P (u chunks of C = S/u tokens, P pieces each)."""
-    if cp_size <= 0 or num_chunks <= 0:
-        raise ValueError(f"cp_size={cp_size} and num_chunks={num_chunks} must be positive")
-    if seq_len % (num_chunks * cp_size):
-        raise ValueError(
+    require(cp_size > 0 and num_chunks > 0, f"cp_size={cp_size} and num_chunks={num_chunks} must be positive")
+    require(seq_len % (num_chunks * cp_size) == 0,
             f"sequence length {seq_len} is not divisible by chunks x context-parallel size "
-            f"= {num_chunks} x {cp_size}"
-        )
+            f"= {num_chunks} x {cp_size}")
 
 
 def attention_spec_from_megatron(

@@ -11,21 +11,17 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_weipipe.config import PretrainConfig
-
-
-def transformer_engine_available() -> bool:
-    import importlib.util
-
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+from megatron_weipipe.platform import detect_platform
 
 
 def use_transformer_engine(cfg: PretrainConfig) -> bool:
     impl = cfg.model.transformer_impl
+    available = detect_platform().transformer_engine_available()
     if impl == "transformer_engine":
-        if not transformer_engine_available():
+        if not available:
             raise RuntimeError("--transformer-impl transformer_engine needs transformer-engine and a GPU")
         return True
-    return impl == "auto" and transformer_engine_available()
+    return impl == "auto" and available
 
 
 def compute_dtype(cfg: PretrainConfig) -> torch.dtype:
@@ -40,16 +36,11 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
     """megatron-core's TransformerConfig from our flags."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     dtype = compute_dtype(cfg)
-    on_gpu = torch.cuda.is_available()
-    ffn = m.ffn_hidden_size
-    if ffn is None:
-        ffn = 4 * m.hidden_size
-        if m.swiglu:  # Megatron's default keeps SwiGLU's parameter count near a 4h GeLU MLP
-            ffn = int(8 * m.hidden_size / 3 / 64 + 0.999) * 64 if m.hidden_size >= 64 else 4 * m.hidden_size
+    on_gpu = detect_platform().is_cuda
     kwargs = dict(
         num_layers=num_layers if num_layers is not None else m.num_layers,
         hidden_size=m.hidden_size,
-        ffn_hidden_size=ffn,
+        ffn_hidden_size=m.ffn,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
@@ -140,8 +131,9 @@ def build_gpt_model(
         rotary_base=m.rotary_base,
         vp_stage=vp_stage,
     )
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    platform = detect_platform()
+    if platform.is_cuda:
+        model.cuda(platform.current_device())
     dtype = compute_dtype(cfg)
     if dtype != torch.float32:
         # What Megatron-LM's Float16Module does: every floating tensor in the compute dtype

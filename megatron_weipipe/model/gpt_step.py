@@ -6,7 +6,8 @@ from functools import partial
 
 import torch
 
-from megatron_weipipe.training.faults import maybe_inject_nan
+from megatron_weipipe.faults import maybe_inject_nan
+from megatron_weipipe.platform import detect_platform
 
 
 def batch_to_device(batch: dict, device: torch.device) -> dict:
@@ -23,8 +24,7 @@ def get_batch(data_iterator, long_context=None):
         from megatron_weipipe.model.long_context import shard_for_context_parallel
 
         batch = shard_for_context_parallel(batch, long_context)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    batch = batch_to_device(batch, device)
+    batch = batch_to_device(batch, detect_platform().current_device())
     return (
         batch["tokens"],
         batch["labels"],

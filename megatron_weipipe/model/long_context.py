@@ -25,10 +25,10 @@ from megatron_weipipe.fpdt import (
     attention_spec_from_megatron,
     chunked_cross_entropy,
     chunked_mlp,
-    fpdt_attention,
     shard_batch,
     ulysses_attention,
 )
+from megatron_weipipe.fpdt.attention import fpdt_attention_checked
 from megatron_weipipe.fpdt.offload import HostBufferPool, OffloadStats
 
 
@@ -48,16 +48,10 @@ def uses_long_context(cfg: PretrainConfig) -> bool:
     return cfg.parallel.context_parallel_size > 1 or cfg.fpdt.enabled
 
 
-def fpdt_config(cfg: PretrainConfig) -> Optional[FPDTConfig]:
-    if not cfg.fpdt.enabled:
-        return None
-    return FPDTConfig(chunk_size=cfg.fpdt.chunk_size, offload=cfg.fpdt.offload)
-
-
 def build_settings(cfg: PretrainConfig) -> LongContextSettings:
     from megatron.core import parallel_state as ps
 
-    fc = fpdt_config(cfg)
+    fc = cfg.fpdt if cfg.fpdt.enabled else None
     return LongContextSettings(
         cp_group=ps.get_context_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group() if cfg.parallel.tensor_model_parallel_size > 1 else None,
@@ -120,9 +114,9 @@ def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfi
             else:
                 if settings.fpdt.offload and self.pool is None:
                     self.pool = HostBufferPool(pin_memory=hidden_states.is_cuda)
-                out = fpdt_attention(
+                out = fpdt_attention_checked(
                     hidden_states, self.linear_qkv.weight, qkv_bias, self.linear_proj.weight, None,
-                    self.spec, settings.fpdt, settings.cp_group, settings.tp_group,
+                    self.spec, settings.fpdt, settings.num_chunks, settings.cp_group, settings.tp_group,
                     pool=self.pool, stats=self.offload_stats,
                 )
             return out, self.linear_proj.bias

@@ -9,7 +9,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 
 from megatron_weipipe.config import PretrainConfig
-from megatron_weipipe.parallel import ParallelGroups
+from megatron_weipipe.context import RunContext
 
 # model_provider(pre_process, post_process, vp_stage) -> GPTModel, as in Megatron-LM.
 ModelProvider = Callable[..., torch.nn.Module]
@@ -36,9 +36,10 @@ class TrainSchedule(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, cfg: PretrainConfig, groups: ParallelGroups):
+    def __init__(self, cfg: PretrainConfig, ctx: RunContext):
         self.cfg = cfg
-        self.groups = groups
+        self.ctx = ctx
+        self.groups = ctx.groups
         self.model_chunks: list[torch.nn.Module] = []
 
     @classmethod
@@ -70,6 +71,3 @@ class TrainSchedule(ABC):
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
 
-    def bytes_moved(self) -> Optional[dict[str, int]]:
-        """Bytes sent by this rank in the last iteration, by kind (None if not counted)."""
-        return None

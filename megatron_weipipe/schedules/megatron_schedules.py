@@ -13,7 +13,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_weipipe.config import ConfigError, PretrainConfig
 from megatron_weipipe.schedules.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
-from megatron_weipipe.training.byte_counter import BYTE_COUNTER
 
 
 def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
@@ -84,7 +83,7 @@ class _MegatronSchedule(TrainSchedule):
         chunks = self.model_chunks
         # Each virtual chunk reads the same microbatches at its own pace (first: tokens, last: labels).
         iterators = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
-        with BYTE_COUNTER.scope("activations"):
+        with self.ctx.bytes.scope("activations"):
             losses = fb(
                 forward_step_func=forward_step,
                 data_iterator=iterators,

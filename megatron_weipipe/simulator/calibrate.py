@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 from .hostprobe import cpu_jiffies, others_cores
-from .shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from . import collectives
 from .calibrate import ChunkTimes, HostCalibration
 from .errors import SimulatorError
 from .hardware import DeviceSpec, LinkSpec
-from .shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 # Optimizer step on the device, bytes touched per parameter: read fp32 master, grad, two
 # Adam moments; write master and moments; write the bf16 copy; the norm reads the grad

@@ -18,28 +18,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import require
+from megatron_weipipe.fpdt.config import FPDTConfig
+
 from .hardware import Cluster, GiB
-from .shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 
 @dataclass(frozen=True)
-class FPDTSpec:
-    chunk_size: int  # C, global tokens
-    offload: bool = False
+class FPDTSpec(FPDTConfig):
+    """FPDT as configured for training, plus what the simulator can project beyond it."""
+
+    enabled: bool = True
     offload_checkpoints: bool = False  # layer inputs kept in host memory (the paper's setting)
 
-    def num_chunks(self, seq_length: int) -> int:
-        return max(1, seq_length // self.chunk_size)
-
-    def validate(self, shape: ModelShape, cp: int) -> "FPDTSpec":
-        require(self.chunk_size > 0, "--fpdt-chunk-size must be positive")
-        require(self.chunk_size <= shape.seq_length,
-                f"--fpdt-chunk-size ({self.chunk_size}) must not exceed --seq-length ({shape.seq_length})")
-        require(shape.seq_length % self.chunk_size == 0,
-                f"--seq-length ({shape.seq_length}) must be a multiple of --fpdt-chunk-size ({self.chunk_size})")
-        require(self.chunk_size % cp == 0,
-                f"--fpdt-chunk-size ({self.chunk_size}) must be divisible by --context-parallel-size ({cp})")
+    def validate(self, shape: ModelShape, cp: int) -> "FPDTSpec":  # type: ignore[override]
+        FPDTConfig.validate(self, shape.seq_length, cp)
         return self
 
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 from megatron_weipipe.schedules.weipipe.actions import Flow, Kind, Schedule
 
-from .shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from .events import EventModel, Trace, replay
 from .fpdt import FPDTReport, FPDTSpec, analyse
 from .hardware import Cluster
 from .layout import Layout
-from .shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 MEGATRON = ("none", "1f1b", "interleaved")
 SCHEDULE_NAMES = MEGATRON + WEIPIPE_SCHEDULES
@@ -74,43 +74,23 @@ class RunSpec:
         return self.shape.num_layers // self.stages
 
     def validate(self) -> "RunSpec":
-        s, lay = self.shape.validate(), self.layout.validate()
+        """The training rules of the run this simulates, then what the simulator itself needs."""
+        from megatron_weipipe.arguments import check_config
+
+        from .run_config import spec_to_config
+
+        s, lay = self.shape, self.layout
         P, L = lay.pp, s.num_layers
         require(self.schedule in SCHEDULE_NAMES,
                 f"--schedules: {self.schedule!r} is unknown; choose from {', '.join(SCHEDULE_NAMES)}")
         require(self.global_batch_size > 0, "--global-batch-size must be positive")
-        require(self.global_batch_size % (s.micro_batch_size * lay.dp) == 0,
-                f"--global-batch-size ({self.global_batch_size}) must be divisible by --micro-batch-size x "
-                f"data-parallel size ({s.micro_batch_size} x {lay.dp})")
-        require(L % P == 0, f"--num-layers ({L}) must be divisible by --pipeline-model-parallel-size ({P})")
-        require(s.num_attention_heads % lay.tp == 0 and s.groups % lay.tp == 0,
-                f"attention heads ({s.num_attention_heads}) and query groups ({s.groups}) must be divisible by "
-                f"--tensor-model-parallel-size ({lay.tp})")
-        if lay.cp > 1:
-            require(s.num_attention_heads % (lay.cp * lay.tp) == 0 and s.groups % (lay.cp * lay.tp) == 0,
-                    f"heads ({s.num_attention_heads}) and query groups ({s.groups}) must be divisible by context x "
-                    f"tensor parallel size ({lay.cp} x {lay.tp}) for Ulysses attention")
-            require(s.seq_length % lay.cp == 0,
-                    f"--seq-length ({s.seq_length}) must be divisible by --context-parallel-size ({lay.cp})")
-        if self.schedule == "none":
-            require(P == 1, "schedule none needs --pipeline-model-parallel-size 1")
-        elif P == 1:
+        if self.schedule != "none" and P == 1:
             raise SimulatorError(f"schedule {self.schedule} needs --pipeline-model-parallel-size >= 2")
         if self.schedule == "interleaved":
             V = self.virtual_stages
             require(V >= 2 and L % (P * V) == 0,
                     f"interleaved needs --num-layers ({L}) divisible by pipeline size x virtual stages ({P} x {V})")
-            require(self.num_microbatches % P == 0,
-                    f"interleaved needs the microbatches per replica ({self.num_microbatches}) to be a multiple of "
-                    f"--pipeline-model-parallel-size ({P})")
-        if self.is_weipipe:
-            require(lay.cp == 1, f"{self.schedule} needs --context-parallel-size 1 (the runtime has no WeiPipe with "
-                                 f"Ulysses/FPDT)")
-            require(self.num_microbatches % P == 0,
-                    f"{self.schedule} needs the microbatches per replica ({self.num_microbatches}) to be a multiple "
-                    f"of --pipeline-model-parallel-size ({P})")
-        if self.fpdt is not None:
-            self.fpdt.validate(s, lay.cp)
+        check_config(spec_to_config(self), check_data=False)
         return self
 
     def build_schedule(self) -> Schedule:

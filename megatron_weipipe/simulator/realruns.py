@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from .probe_run import ENV, REPO
-from .shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 _ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+).*?"
                       r"(?:sent/rank/iter: (.*?) \|)?\s*$")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .probe_run import REPO
 from .realruns import real_run
-from .shape import ModelShape
+from megatron_weipipe.shape import ModelShape
 
 SCHEDULES = ("1f1b", "weipipe-naive", "weipipe-interleave", "weipipe-zb")
 

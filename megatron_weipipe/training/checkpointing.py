@@ -19,18 +19,18 @@ import glob
 import logging
 import os
 import queue
-import random
 import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
+from megatron_weipipe import faults
 from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.context import RunContext
 from megatron_weipipe.parallel import ParallelGroups
-from megatron_weipipe.training import faults, safe_load
+from megatron_weipipe.platform import Platform
+from megatron_weipipe.training import safe_load
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,13 @@ class LoadedState:
     consumed_valid_samples: int = 0
     num_skipped_iterations: int = 0
     rng_state: object = None  # applied by the loop just before training resumes
+    platform: Optional[Platform] = None
 
     def restore_rng(self) -> None:
         """Apply the saved RNG state; call after everything that draws random numbers at start-up."""
         if self.rng_state is not None:
-            _restore_rng(self.rng_state)
+            state = self.rng_state[0] if isinstance(self.rng_state, list) else self.rng_state
+            _rng_streams(self.platform).set_state(state)
             self.rng_state = None
 
 
@@ -92,19 +94,16 @@ def _write_tracker_atomically(root: str, iteration: int) -> None:
     _fsync_dir(root)
 
 
-def _rng_state(groups: ParallelGroups):
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+def _rng_streams(platform: Platform):
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "random_rng_state": random.getstate(),
-        # Tensors and scalars only, so that it loads with torch.load(weights_only=True).
-        "np_rng_state": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
-    }
+    return platform.rng_streams(host=True, tracker=get_cuda_rng_tracker())
+
+
+def _rng_state(groups: ParallelGroups, platform: Platform):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = _rng_streams(platform).get_state()
     # One object per (pipeline, tensor) coordinate; data-parallel copies are replicas.
     return ShardedObject(
         "rng_state",
@@ -113,25 +112,6 @@ def _rng_state(groups: ParallelGroups):
         (groups.pp_rank, groups.tp_rank),
         replica_id=groups.dp_rank * groups.cp_size + groups.cp_rank,
     )
-
-
-def _restore_rng(obj) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state = obj[0] if isinstance(obj, list) else obj
-    random.setstate(_as_tuples(state["random_rng_state"]))
-    kind, keys, pos, has_gauss, cached = state["np_rng_state"]
-    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
-    np.random.set_state((kind, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached)))
-    torch.set_rng_state(state["torch_rng_state"])
-    if torch.cuda.is_available() and state["cuda_rng_state"] is not None:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def _as_tuples(x):
-    """random.setstate wants the tuples it produced (a round trip may turn them into lists)."""
-    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _layout(cfg: PretrainConfig) -> dict:
@@ -156,7 +136,7 @@ def _model_keys(model_chunks) -> list[str]:
     return ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
 
 
-def _sharded_state(cfg, groups, model_chunks, optimizer, scheduler, *, is_loading: bool, with_optim: bool,
+def _sharded_state(cfg, ctx: RunContext, model_chunks, optimizer, scheduler, *, is_loading: bool, with_optim: bool,
                    with_rng: bool, extra: Optional[dict] = None) -> dict:
     state: dict = {}
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
@@ -165,7 +145,7 @@ def _sharded_state(cfg, groups, model_chunks, optimizer, scheduler, *, is_loadin
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
         state["opt_param_scheduler"] = scheduler.state_dict() if scheduler is not None else {}
     if with_rng:
-        state["rng_state"] = _rng_state(groups)
+        state["rng_state"] = _rng_state(ctx.groups, ctx.platform)
     if extra:
         state.update(extra)
     return state
@@ -173,7 +153,7 @@ def _sharded_state(cfg, groups, model_chunks, optimizer, scheduler, *, is_loadin
 
 def save_checkpoint(
     cfg: PretrainConfig,
-    groups: ParallelGroups,
+    ctx: RunContext,
     iteration: int,
     model_chunks,
     optimizer,
@@ -205,7 +185,7 @@ def save_checkpoint(
         os.makedirs(partial)
     dist.barrier()
     state = _sharded_state(
-        cfg, groups, model_chunks, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
+        cfg, ctx, model_chunks, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
         extra={
             "iteration": iteration,
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -310,7 +290,7 @@ def _check_before_loading(cfg: PretrainConfig, path: str) -> dict:
     return common
 
 
-def load_checkpoint(cfg: PretrainConfig, groups: ParallelGroups, model_chunks, optimizer, scheduler) -> LoadedState:
+def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimizer, scheduler) -> LoadedState:
     """Restore model, optimizer, LR schedule, RNG and data position from ``--load``."""
     from megatron.core import dist_checkpointing
 
@@ -334,7 +314,7 @@ def load_checkpoint(cfg: PretrainConfig, groups: ParallelGroups, model_chunks, o
     with_optim = not (cfg.checkpoint.no_load_optim or finetune)
     with_rng = same_rng_layout and not (cfg.checkpoint.no_load_rng or finetune)
     sharded = _sharded_state(
-        cfg, groups, model_chunks, optimizer, scheduler, is_loading=True, with_optim=with_optim, with_rng=with_rng
+        cfg, ctx, model_chunks, optimizer, scheduler, is_loading=True, with_optim=with_optim, with_rng=with_rng
     )
     try:
         with safe_load.safe_byte_objects():
@@ -357,4 +337,5 @@ def load_checkpoint(cfg: PretrainConfig, groups: ParallelGroups, model_chunks, o
         consumed_valid_samples=int(common.get("consumed_valid_samples", 0)),
         num_skipped_iterations=int(common.get("num_skipped_iterations", 0)),
         rng_state=state["rng_state"] if with_rng else None,
+        platform=ctx.platform,
     )

@@ -3,41 +3,18 @@
 from __future__ import annotations
 
 import datetime
-import resource
-import sys
-
-import torch
 
 from megatron_weipipe.config import PretrainConfig
 
 
 def model_flops_per_iteration(cfg: PretrainConfig, vocab_size: int) -> float:
-    """Training FLOPs of one iteration: 3 x forward matmul FLOPs, Megatron's convention.
-
-    Forward per token and layer: QKV 2h(h + 2·g·d), attention 2·2·s·h (full square, as
-    Megatron counts it), projection 2h², MLP 2·2·h·f (x1.5 for SwiGLU), plus the logits
-    2·h·V per token. Full recomputation adds one more forward.
-    """
-    m = cfg.model
-    h, s, L = m.hidden_size, m.seq_length, m.num_layers
-    d = m.kv_channels or h // m.num_attention_heads
-    kv = m.query_groups * d
-    ffn = m.ffn_hidden_size or (4 * h)
-    mlp = 2 * 2 * h * ffn * (1.5 if m.swiglu else 1.0)
-    per_token_layer = 2 * h * (h + 2 * kv) + 2 * 2 * s * h + 2 * h * h + mlp
-    tokens = cfg.training.global_batch_size * s
-    forward = tokens * (L * per_token_layer + 2 * h * vocab_size)
-    factor = 4 if m.recompute_granularity == "full" else 3
-    return factor * forward
-
-
-def peak_memory_gb() -> tuple[float, str]:
-    """Peak device memory (CUDA) or peak resident set (CPU), in GB, with its meaning."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 1e9, "max allocated"
-    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    scale = 1 if sys.platform == "darwin" else 1024
-    return rss_kb * scale / 1e9, "peak RSS"
+    """Training FLOPs of one iteration (the whole model, every microbatch), Megatron's convention:
+    3 x forward matmul FLOPs, 4 x with full recomputation, attention counted as the full square."""
+    t = cfg.training
+    shape = cfg.model.shape(micro_batch_size=t.micro_batch_size, vocab_size=vocab_size)
+    microbatches = t.global_batch_size // t.micro_batch_size
+    recompute = cfg.model.recompute_granularity == "full"
+    return microbatches * shape.model_flops_per_microbatch(causal_fraction=1.0, recompute=recompute)
 
 
 def format_bytes(n: float) -> str:

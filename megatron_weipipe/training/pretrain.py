@@ -13,20 +13,20 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_weipipe.config import PretrainConfig, padded_vocab_size
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.context import RunContext
 from megatron_weipipe.data.datasets import build_data_loader, build_train_valid_test_datasets
 from megatron_weipipe.data.tokenizers import build_tokenizer
 from megatron_weipipe.initialize import initialize_distributed
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe.schedules.base import ForwardStep, TrainSchedule
 from megatron_weipipe.schedules.registry import get_schedule
-from megatron_weipipe.training import faults
-from megatron_weipipe.training.byte_counter import BYTE_COUNTER
+from megatron_weipipe.shape import padded_vocab_size
+from megatron_weipipe import faults
 from megatron_weipipe.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_weipipe.training.metrics import (
     TensorBoardWriter,
     model_flops_per_iteration,
-    peak_memory_gb,
     training_log_line,
 )
 from megatron_weipipe.training.optimizer import build_optimizer, build_scheduler
@@ -180,9 +180,9 @@ def pretrain(
     install_child_process_guards()
     watchdog = None
     try:
-        groups = initialize_distributed(cfg)
+        ctx = initialize_distributed(cfg)
         watchdog = start_watchdog(cfg.parallel.distributed_timeout_minutes)
-        state = _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, after_backward,
+        state = _pretrain(cfg, ctx, model_provider, forward_step, datasets_provider, after_backward,
                           exit_signal, start_time)
         if watchdog is not None:
             watchdog.stop()
@@ -221,12 +221,12 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, after_backward, exit_signal,
+def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provider, after_backward, exit_signal,
               start_time) -> TrainState:
-    t = cfg.training
+    t, groups = cfg.training, ctx.groups
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
-    schedule: TrainSchedule = get_schedule(cfg.schedule_name)(cfg, groups)
+    schedule: TrainSchedule = get_schedule(cfg.schedule_name)(cfg, ctx)
     print_rank_0(
         f"> schedule {cfg.schedule_name}: TP={groups.tp_size} PP={groups.pp_size} CP={groups.cp_size} "
         f"DP={groups.dp_size}, {cfg.num_microbatches} microbatches per replica, padded vocab {vocab}"
@@ -239,7 +239,7 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
 
     state = TrainState()
     faults.set_phase("loading checkpoint")
-    loaded = load_checkpoint(cfg, groups, model_chunks, optimizer, scheduler)
+    loaded = load_checkpoint(cfg, ctx, model_chunks, optimizer, scheduler)
     state.iteration = loaded.iteration
     state.consumed_train_samples = loaded.consumed_train_samples
     state.consumed_valid_samples = loaded.consumed_valid_samples
@@ -258,14 +258,16 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
         raise ValueError(f"--split {cfg.data.split} leaves no training data")
     train_iter = iter(
         build_data_loader(
-            train_ds, t.micro_batch_size, state.consumed_train_samples, data_rank, data_size, cfg.data.num_workers
+            train_ds, t.micro_batch_size, state.consumed_train_samples, data_rank, data_size, cfg.data.num_workers,
+            pin_memory=ctx.platform.pin_memory,
         )
     )
     valid_iter = None
     if valid_ds is not None and t.eval_iters > 0:
         valid_iter = iter(
             build_data_loader(
-                valid_ds, t.micro_batch_size, state.consumed_valid_samples, data_rank, data_size, 0
+                valid_ds, t.micro_batch_size, state.consumed_valid_samples, data_rank, data_size, 0,
+                pin_memory=ctx.platform.pin_memory,
             )
         )
 
@@ -282,7 +284,7 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
             faults.set_phase("reading data", state.iteration + 1)
             microbatches = _microbatches(train_iter, n_mb)
             faults.set_phase(faults.TRAIN_STEP, state.iteration + 1)
-            BYTE_COUNTER.reset()
+            ctx.bytes.reset()
             schedule.zero_grad()
             optimizer.zero_grad()
             result = schedule.forward_backward(forward_step, microbatches)
@@ -335,7 +337,7 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
             if state.iteration % cfg.logging.log_interval == 0:
                 elapsed = time.time() - window_start
                 per_iter = elapsed / window_iters
-                mem, _ = peak_memory_gb()
+                mem, _ = ctx.platform.peak_memory_gb()
                 lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else t.lr
                 line = training_log_line(
                     iteration=state.iteration,
@@ -352,7 +354,7 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
                     skipped=state.skipped_iterations,
                     nan_iterations=state.nan_iterations,
                     mem_gb=mem,
-                    bytes_sent=BYTE_COUNTER.snapshot()["sent"],
+                    bytes_sent=ctx.bytes.snapshot()["sent"],
                 )
                 print_rank_0(line)
                 tb.scalars(state.iteration, {"lm-loss": loss, "learning-rate": lr, "grad-norm": last_grad_norm or 0.0})
@@ -374,7 +376,7 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
                 or (cfg.checkpoint.save_interval and state.iteration % cfg.checkpoint.save_interval == 0)
             )
             if save_now:
-                _save(cfg, groups, state, model_chunks, optimizer, scheduler)
+                _save(cfg, ctx, state, model_chunks, optimizer, scheduler)
                 window_start = time.time()  # keep the save out of the next throughput window
             if exit_now:
                 state.exit_reason = exit_now
@@ -385,7 +387,7 @@ def _pretrain(cfg, groups, model_provider, forward_step, datasets_provider, afte
                 break
 
         if cfg.checkpoint.save and state.iteration > 0 and state.last_saved_iteration != state.iteration:
-            _save(cfg, groups, state, model_chunks, optimizer, scheduler)
+            _save(cfg, ctx, state, model_chunks, optimizer, scheduler)
         faults.set_phase("shutdown", state.iteration)
     finally:
         tb.close()
@@ -413,12 +415,12 @@ def _run_validation(cfg, groups, schedule, forward_step, valid_iter, n_mb, state
     tb.scalars(state.iteration, {"lm-loss-validation": value})
 
 
-def _save(cfg, groups, state: TrainState, model_chunks, optimizer, scheduler) -> None:
+def _save(cfg, ctx: RunContext, state: TrainState, model_chunks, optimizer, scheduler) -> None:
     faults.set_phase("checkpoint save", state.iteration)
     t0 = time.time()
     path, written = save_checkpoint(
         cfg,
-        groups,
+        ctx,
         state.iteration,
         model_chunks,
         optimizer,

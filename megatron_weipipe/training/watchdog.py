@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_weipipe.training import faults
+from megatron_weipipe import faults
 
 EXIT_PEER_FAILED = 1
 _PREFIX = "megatron_weipipe/watchdog"

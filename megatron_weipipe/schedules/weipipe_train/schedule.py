@@ -20,7 +20,6 @@ from torch.func import functional_call
 
 from megatron_weipipe.config import ConfigError, PretrainConfig
 from megatron_weipipe.schedules.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
-from megatron_weipipe.training.byte_counter import BYTE_COUNTER
 
 # Runtime flows -> the kinds the log line's sent/rank/iter shows.
 FLOW_KIND = {"fwd_weights": "weights", "bwd_weights": "weights", "placement": "weights", "grads": "gradients"}
@@ -111,7 +110,7 @@ class WeiPipeSchedule(TrainSchedule):
             compute_dtype=self.compute_dtype,
             grad_dtype=torch.bfloat16 if self.cfg.parallel.weipipe_grad_dtype == "bf16" else torch.float32,
             recompute=self.cfg.model.recompute_granularity == "full",
-            comm_scope=lambda flow: BYTE_COUNTER.scope(FLOW_KIND[flow.value]),
+            comm_scope=lambda flow: self.ctx.bytes.scope(FLOW_KIND[flow.value]),
             rng=MegatronRNG(),
             # megatron-core's linear layers have no separate weight-gradient kernel: a
             # replayed W pass would run the whole backward (attention too) twice.
@@ -175,7 +174,7 @@ class WeiPipeSchedule(TrainSchedule):
         master = self._master().to(self.compute_dtype)
         for c in range(self.P):
             flat = master if g.pp_rank == c else torch.empty_like(master)
-            with BYTE_COUNTER.scope("weights"):
+            with self.ctx.bytes.scope("weights"):
                 dist.broadcast(flat, src=dist.get_global_rank(g.pipeline, c), group=g.pipeline)
             views = self.layout.views(flat)
             for i, mb in enumerate(mbs):

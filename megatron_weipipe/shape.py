@@ -1,9 +1,10 @@
-"""Model shape: parameter counts and FLOPs of one decoder layer, embedding and head.
+"""Shape arithmetic of a GPT model: FFN width, padded vocabulary, parameter counts, FLOPs.
 
-Parameter counts follow megatron-core's local GPT layer spec exactly (they are what
-WeiPipe's flat chunk buffers and Megatron's gradient buffers hold, so byte predictions
-can be exact). FLOPs are counted per microbatch for the whole layer; callers divide by
-tensor / context parallel sizes.
+The one home of these rules: the model builder, the training log's TFLOP/s and the
+simulator all read them from here. Parameter counts follow megatron-core's local GPT
+layer spec exactly (they are what WeiPipe's flat chunk buffers and Megatron's gradient
+buffers hold, so byte predictions can be exact). FLOPs are counted per microbatch for
+the whole layer; callers divide by tensor / context parallel sizes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,23 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import require
+from megatron_weipipe.errors import require
+
+
+def ffn_hidden_size(hidden_size: int, swiglu: bool, ffn_hidden_size: Optional[int] = None) -> int:
+    """Megatron-LM's FFN width: 4h, or for SwiGLU without --ffn-hidden-size int(4h * 2/3 / 64) * 64,
+    which keeps a gated MLP's parameter count near a 4h GeLU MLP's (320 at h=128)."""
+    if ffn_hidden_size is not None:
+        return ffn_hidden_size
+    if swiglu:
+        return int((4 * hidden_size * 2 / 3) / 64) * 64
+    return 4 * hidden_size
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int = 1) -> int:
+    """Megatron's padding: a multiple of divisible_by x TP so the embedding splits evenly."""
+    multiple = divisible_by * tensor_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 @dataclass(frozen=True)
@@ -41,7 +58,7 @@ class ModelShape:
             require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive")
         require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                f"({self.num_attention_heads})")
+                f"({self.num_attention_heads}) unless --kv-channels is given")
         require(self.num_attention_heads % self.groups == 0,
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                 f"--num-query-groups ({self.groups})")
@@ -50,6 +67,8 @@ class ModelShape:
         require(self.position_embedding_type in ("learned_absolute", "rope", "none"),
                 f"--position-embedding-type must be learned_absolute, rope or none, not "
                 f"{self.position_embedding_type!r}")
+        require(self.ffn > 0, f"--swiglu at --hidden-size {self.hidden_size} gives Megatron's default FFN width "
+                              f"int(4h * 2/3 / 64) * 64 = 0; give --ffn-hidden-size")
         return self
 
     # ------------------------------------------------------------------ sizes
@@ -63,13 +82,8 @@ class ModelShape:
 
     @property
     def ffn(self) -> int:
-        """megatron's default FFN width (build_transformer_config's rule for SwiGLU)."""
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        h = self.hidden_size
-        if self.swiglu and h >= 64:
-            return int(8 * h / 3 / 64 + 0.999) * 64
-        return 4 * h
+        """The FFN width the model is built with (Megatron-LM's default when not given)."""
+        return ffn_hidden_size(self.hidden_size, self.swiglu, self.ffn_hidden_size)
 
     @property
     def qkv_width(self) -> int:
@@ -80,8 +94,7 @@ class ModelShape:
         return self.num_attention_heads * self.head_dim
 
     def padded_vocab(self, tp: int = 1) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     @property
     def tokens(self) -> int:
@@ -144,7 +157,12 @@ class ModelShape:
         """Forward FLOPs of the output layer (logits)."""
         return 2.0 * self.tokens * self.hidden_size * self.padded_vocab()
 
-    def model_flops_per_microbatch(self) -> float:
-        """Training FLOPs of one microbatch: 3 x forward, causal attention counted half."""
-        fwd = self.num_layers * (self.layer_gemm_flops() + self.attention_flops(0.5)) + self.head_flops()
-        return 3.0 * fwd
+    def model_flops_per_microbatch(self, causal_fraction: float = 0.5, recompute: bool = False) -> float:
+        """Training FLOPs of one microbatch: 3 x forward (4 x with full recomputation).
+
+        causal_fraction 0.5 counts the attention a causal kernel really computes; 1.0 counts
+        the full square, which is Megatron-LM's convention for the logged TFLOP/s.
+        """
+        fwd = (self.num_layers * (self.layer_gemm_flops() + self.attention_flops(causal_fraction))
+               + self.head_flops())
+        return (4.0 if recompute else 3.0) * fwd

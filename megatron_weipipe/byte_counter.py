@@ -1,10 +1,12 @@
-"""Bytes sent and received by this rank, by kind, counted where the process-group calls are made.
+"""Bytes and messages sent and received by this rank, by kind.
 
 Counts are exact and machine-independent (unlike times), so benchmarks and tests can
-compare schedules by them. Point-to-point traffic is attributed to the innermost active
-``scope`` (e.g. "activations" inside Megatron's pipeline schedules, or a WeiPipe flow);
-collectives count as "collectives" with the tensor's size per call (the payload handed to
-the collective, not the algorithm's wire traffic).
+compare schedules by them. One class serves two uses: the process-wide counter
+(``process_byte_counter``) wraps torch.distributed's calls once at start-up and attributes
+point-to-point traffic to the innermost active ``scope`` (e.g. "activations" inside
+Megatron's pipeline schedules, or a WeiPipe flow), collectives as "collectives" with the
+tensor's size per call (the payload handed to the collective, not the algorithm's wire
+traffic); a runtime may also keep its own instance and ``count`` what it sends.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class ByteCounter:
     def __init__(self) -> None:
         self.sent: dict[str, int] = defaultdict(int)
         self.received: dict[str, int] = defaultdict(int)
+        self.messages_sent: dict[str, int] = defaultdict(int)
+        self.messages_received: dict[str, int] = defaultdict(int)
         self._scopes = threading.local()
         self._installed = False
 
@@ -43,16 +47,38 @@ class ByteCounter:
 
     def add_sent(self, kind: str, nbytes: int) -> None:
         self.sent[kind] += int(nbytes)
+        self.messages_sent[kind] += 1
 
     def add_received(self, kind: str, nbytes: int) -> None:
         self.received[kind] += int(nbytes)
+        self.messages_received[kind] += 1
+
+    def count(self, kind: str, nbytes: int, *, sent: bool) -> None:
+        (self.add_sent if sent else self.add_received)(kind, nbytes)
+
+    @property
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    @property
+    def total_received(self) -> int:
+        return sum(self.received.values())
 
     def reset(self) -> None:
-        self.sent.clear()
-        self.received.clear()
+        for d in (self.sent, self.received, self.messages_sent, self.messages_received):
+            d.clear()
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {"sent": dict(self.sent), "received": dict(self.received)}
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {"sent": dict(self.sent), "received": dict(self.received),
+                "messages_sent": dict(self.messages_sent), "messages_received": dict(self.messages_received)}
+
+    def summary(self) -> str:
+        parts = [f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(self.sent.items())]
+        return (f"sent {self.total_sent / 2**20:.2f} MiB ({', '.join(parts)}); "
+                f"received {self.total_received / 2**20:.2f} MiB")
 
     # -- hooks ------------------------------------------------------------------------
     def install(self) -> None:
@@ -113,4 +139,14 @@ class ByteCounter:
                 setattr(dist, name, wrap_collective(getattr(dist, name), arg))
 
 
-BYTE_COUNTER = ByteCounter()
+_PROCESS_COUNTER = ByteCounter()
+
+
+def process_byte_counter() -> ByteCounter:
+    """The counter of this process's torch.distributed traffic, hooks installed.
+
+    torch.distributed's functions are process-wide, so there is one such counter per
+    process; start-up fetches it here and passes it to whatever reports bytes.
+    """
+    _PROCESS_COUNTER.install()
+    return _PROCESS_COUNTER

@@ -1,0 +1,79 @@
+"""What the simulator takes beyond pretrain_gpt.py's flags: what-if options, hardware,
+calibration on this host, output. Flags are generated from these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_weipipe.flags import option
+
+
+@dataclass
+class SimulationOptions:
+    num_gpus: Optional[int] = option(None, help="world size (default TP x PP x CP: one replica)")
+    schedules: Optional[str] = option(
+        None, help="comma list of schedules to compare (default: --pipeline-schedule if given, else none at PP=1, "
+                   "otherwise 1f1b, interleaved, weipipe-interleave, weipipe-zb)")
+    virtual_stages: int = option(2, help="model chunks per rank for interleaved when "
+                                         "--num-layers-per-virtual-pipeline-stage is not given")
+    zero3: bool = option(False, help="memory as DeepSpeed ZeRO-3 keeps it (weights, grads, Adam sharded over DP x CP)")
+    weipipe_weight_pass: str = option(
+        "stored", choices=("stored", "replay", "ideal"),
+        help="how weipipe-zb's split backward runs: stored (the runtime's GPT training: I does both gradients, W "
+             "adds them), replay (W is a second autograd pass), ideal (a per-layer weight-gradient kernel)")
+    fpdt_offload_checkpoints: bool = option(
+        False, help="layer-input checkpoints in host memory (implies full recomputation)")
+
+
+@dataclass
+class HardwareOptions:
+    gpu: str = option("h100", help="device preset")
+    link: str = option("nvlink,ib", help="INTRA[,INTER] link presets")
+    gpus_per_node: int = option(8, help="devices per node")
+    host_link: str = option("pcie5", help="device <-> host link for FPDT offload")
+    host_memory_gb: float = option(2048.0, help="host memory per node")
+    peak_tflops: Optional[float] = option(None, help="device peak")
+    gemm_efficiency: Optional[float] = option(None, help="sustained matmul fraction")
+    attention_efficiency: Optional[float] = option(None, help="sustained attention fraction")
+    hbm_gbs: Optional[float] = option(None, help="HBM GB/s")
+    memory_gb: Optional[float] = option(None, help="device memory GB")
+    intra_bandwidth_gbs: Optional[float] = option(None, help="intra-node link GB/s")
+    intra_latency_us: Optional[float] = option(None, help="intra-node link latency")
+    inter_bandwidth_gbs: Optional[float] = option(None, help="inter-node link GB/s")
+    inter_latency_us: Optional[float] = option(None, help="inter-node link latency")
+
+
+@dataclass
+class CalibrationOptions:
+    calibrate: bool = option(False, help="time real megatron-core layers of this shape here and use them as the costs")
+    calibration: Optional[str] = option(None, help="JSON file: read if it exists, else written by --calibrate")
+    host_cores: Optional[float] = option(None, help="with --calibrate: cores the ranks share (default: this host's)")
+    host_background: Optional[float] = option(
+        None, help="with --calibrate: other CPU-bound tasks on the host (default: seen while calibrating)")
+    calibrate_ranks: int = option(
+        1, help="with --calibrate: this many processes calibrate at once, as the ranks of a run on this host compute "
+                "at once (their CPU times carry the contention; the CPU they got per wall second gives the other "
+                "load)")
+    calibration_repeats: int = option(5, help="rounds of every timed piece")
+    calibration_clock: Optional[str] = option(
+        None, choices=("cpu", "wall"),
+        help="use the calibration's CPU seconds with fair sharing of the host's cores (default), or its wall "
+             "seconds as they are (the contention it saw, no sharing modelled)")
+    measure_host: bool = option(False, help="with --calibrate: measure gloo's send/recv speed between two "
+                                            "processes here")
+
+
+@dataclass
+class OutputOptions:
+    plot: Optional[str] = option(None, help="PNG timeline of every schedule")
+    json: Optional[str] = option(None, help="write results as JSON")
+
+
+# (argparse destination prefix, dataclass, --help title)
+OPTION_GROUPS = (
+    ("sim", SimulationOptions, "simulation"),
+    ("hw", HardwareOptions, "hardware"),
+    ("cal", CalibrationOptions, "calibration (this host)"),
+    ("out", OutputOptions, "output"),
+)
