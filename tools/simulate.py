@@ -2,7 +2,7 @@
 """Project a training run before spending a GPU-hour: per schedule, iteration time,
 tokens/s, MFU, bubble, bytes per rank per link, peak memory per rank, a timeline PNG.
 
-    python tools/simulate.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \
+    python tools/simulate.py --bf16 --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \
         --seq-length 16384 --micro-batch-size 1 --global-batch-size 128 \
         --pipeline-model-parallel-size 8 --gpu h100 --link nvlink,ib \
         --schedules 1f1b,interleaved,weipipe-interleave,weipipe-zb --plot out.png

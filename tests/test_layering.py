@@ -1,0 +1,162 @@
+"""The package's layering, read from its imports (docs/architecture.md draws it).
+
+Every import counts, at module level or inside a function: a lazy import is still a
+dependency, and a cycle through one is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections import defaultdict
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "megatron_weipipe"
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, str]:
+    """module name -> file path, for every module of the package."""
+    out = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(module: str, path: str) -> set[str]:
+    """Modules of the package (and top-level scripts) that ``module`` imports, anywhere in it."""
+    tree = ast.parse(open(path).read(), path)
+    is_package = path.endswith("__init__.py")
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [f"{target}.{a.name}" for a in node.names]
+            # "from pkg import module" names a module; "from module import name" names the module.
+            found.update(n for n in names if n in MODULES)
+            if not any(n in MODULES for n in names):
+                found.add(target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {_owner(t) for t in found if _owner(t)} - {module}
+
+
+def _owner(name: str) -> str | None:
+    """The package module (or top-level script) an imported name lives in."""
+    if name.split(".")[0] in ("pretrain_gpt",):
+        return "pretrain_gpt"
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _folder(module: str) -> str:
+    """A package folder (megatron_weipipe.schedules) or a top-level module (megatron_weipipe.config)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                cycle = visit(m)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            cycle = visit(n)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_graph_sees_known_imports():
+    # a test of the test: the reader finds imports of every kind
+    assert "megatron_weipipe.config" in GRAPH["megatron_weipipe.arguments"]
+    assert "megatron_weipipe.training.pretrain" in GRAPH["megatron_weipipe.cli"]  # a lazy import
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_module_over_500_lines():
+    long = {m: n for m, p in MODULES.items() if (n := sum(1 for _ in open(p))) > MAX_LINES}
+    assert not long, f"split these by job: {long}"
+
+
+def test_no_import_cycle_between_files():
+    graph = {m: {d for d in deps if d in MODULES} for m, deps in GRAPH.items()}
+    # a package's __init__ re-exporting its own modules is not a cycle of design
+    graph = {m: {d for d in deps if not (m in d and MODULES[m].endswith("__init__.py"))} for m, deps in graph.items()}
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+def test_no_import_cycle_between_folders():
+    graph: dict[str, set[str]] = defaultdict(set)
+    for m, deps in GRAPH.items():
+        for d in deps:
+            if d in MODULES and _folder(d) != _folder(m):
+                graph[_folder(m)].add(_folder(d))
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+BELOW_TRAINING = ("schedules", "model", "fpdt", "simulator", "platform", "parallel", "initialize")
+FORBIDDEN = (
+    [(low, "training", "nothing below the training loop imports it") for low in BELOW_TRAINING]
+    + [("fpdt", "schedules", "FPDT is a set of kernels and modules, usable under any schedule"),
+       ("data", "model", "data knows nothing of the model"),
+       ("config", "schedules", "schedules read the config, not the other way round")]
+)
+
+
+def _in(module: str, part: str) -> bool:
+    return module == f"{PACKAGE}.{part}" or module.startswith(f"{PACKAGE}.{part}.")
+
+
+@pytest.mark.parametrize("low,high,why", FORBIDDEN, ids=[f"{a}->{b}" for a, b, _ in FORBIDDEN])
+def test_forbidden_imports(low, high, why):
+    bad = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if _in(m, low) for d in deps if _in(d, high))
+    assert not bad, f"{why}: {bad}"
+
+
+def test_nothing_in_the_package_imports_the_entry_points():
+    entry = {"pretrain_gpt", f"{PACKAGE}.cli", f"{PACKAGE}.launch"}
+    bad = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps & entry if m != "pretrain_gpt")
+    assert not bad, bad
+
+
+def test_cuda_is_probed_only_by_the_platform():
+    bad = [m for m, p in MODULES.items() if "torch.cuda.is_available" in open(p).read()
+           and m != f"{PACKAGE}.platform"]
+    assert not bad, f"device rules belong in platform.py: {bad}"
