@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import io
 
-from megatron_weipipe.testing.runs import tiny_gpt_args
-from megatron_weipipe.testing.state import assemble, max_relative_difference
+from harness.runs import tiny_gpt_args
+from harness.state import assemble, max_relative_difference
 
 WEIPIPE = ("weipipe-naive", "weipipe-interleave", "weipipe-zb")
 RTOL = 1e-5
@@ -26,7 +26,7 @@ def train(rank: int, world_size: int, args: list[str]) -> dict:
 
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.model.gpt_step import forward_step
-    from megatron_weipipe.testing.state import local_shards
+    from harness.state import local_shards
     from megatron_weipipe.training.byte_counter import BYTE_COUNTER
     from megatron_weipipe.training.pretrain import pretrain
 
