@@ -23,9 +23,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from megatron_weipipe.simulator.shape import ModelShape
+
 from .probe_run import REPO
 from .realruns import real_run
-from .shape import ModelShape
 
 SCHEDULES = ("1f1b", "weipipe-naive", "weipipe-interleave", "weipipe-zb")
 

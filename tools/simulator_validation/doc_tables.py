@@ -8,8 +8,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from .cli import build_parser, config_from_args, costs_for
-from .project import simulate_run
+from megatron_weipipe.simulator.cli import build_parser, config_from_args, costs_for
+from megatron_weipipe.simulator.project import simulate_run
 
 # The WeiPipe paper's scaling run (authors' script): Llama-style blocks, L=32, h=1024, 32 heads,
 # micro-batch 2, seq 16384, two microbatches per GPU, pure pipeline of all GPUs; 1F1B with
