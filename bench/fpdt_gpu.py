@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_weipipe.fpdt import FPDTConfig, HostBufferPool, fpdt_attention, ulysses_attention  # noqa: E402
-from megatron_weipipe.fpdt.benchutil import (  # noqa: E402
+from fpdt_util import (  # noqa: E402
     LLAMA3_8B,
     Layer,
     LayerShape,

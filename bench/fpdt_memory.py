@@ -22,11 +22,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/harness: the spawn helper of the tests
 
 import torch  # noqa: E402
 
-from megatron_weipipe.fpdt.benchutil import METHODS, Layer, LayerShape, longest_fitting, make_params, peak_rss_bytes, rss_bytes  # noqa: E402
-from megatron_weipipe.testing import run_distributed  # noqa: E402
+from fpdt_util import METHODS, Layer, LayerShape, longest_fitting, make_params, peak_rss_bytes, rss_bytes  # noqa: E402
+from harness import run_distributed  # noqa: E402
 
 MiB = 2**20
 

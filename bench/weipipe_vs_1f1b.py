@@ -30,8 +30,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/harness: the spawn helper of the tests
 
-from megatron_weipipe.testing import run_distributed  # noqa: E402
+from harness import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "weipipe-interleave", "weipipe-zb")
 
@@ -80,7 +81,7 @@ def model_args(seq: int, a) -> list[str]:
 class Trainer:
     """One schedule's model, optimizer and data stream; `step()` is one training iteration."""
 
-    def __init__(self, name: str, seq: int, a, groups, vocab, tokenizer):
+    def __init__(self, name: str, seq: int, a, ctx, vocab, tokenizer):
         from functools import partial
 
         from megatron_weipipe.arguments import parse_config
@@ -90,7 +91,7 @@ class Trainer:
         from megatron_weipipe.training.optimizer import build_optimizer
 
         cfg = parse_config(model_args(seq, a) + ["--pipeline-schedule", name], world_size=2)
-        self.schedule = get_schedule(name)(cfg, groups)
+        self.schedule = get_schedule(name)(cfg, ctx)
         spec = flash_spec(cfg)
 
         def provider(pre_process=True, post_process=True, vp_stage=None):
@@ -105,15 +106,14 @@ class Trainer:
 
     def step(self) -> dict:
         from megatron_weipipe.model.gpt_step import forward_step
-        from megatron_weipipe.training.byte_counter import BYTE_COUNTER
-
+        counter = self.schedule.ctx.bytes
         mbs = [next(self.data) for _ in range(self.n_mb)]
-        BYTE_COUNTER.reset()
+        counter.reset()
         self.schedule.zero_grad()
         self.optimizer.zero_grad()
         self.schedule.forward_backward(forward_step, mbs)
         self.optimizer.step()
-        return dict(BYTE_COUNTER.snapshot()["sent"])
+        return dict(counter.snapshot()["sent"])
 
 
 def _rank(rank: int, world: int, a) -> dict:
@@ -121,18 +121,18 @@ def _rank(rank: int, world: int, a) -> dict:
     import torch.distributed as dist
 
     from megatron_weipipe.arguments import parse_config
-    from megatron_weipipe.config import padded_vocab_size
     from megatron_weipipe.data.tokenizers import build_tokenizer
     from megatron_weipipe.initialize import initialize_distributed
+    from megatron_weipipe.shape import padded_vocab_size
 
     torch.set_num_threads(1)
     results = {}
     for seq in a.seqs:
         cfg = parse_config(model_args(seq, a), world_size=world)
-        groups = initialize_distributed(cfg)
+        ctx = initialize_distributed(cfg)
         tokenizer = build_tokenizer("ByteLevelTokenizer", None, None)
         vocab = padded_vocab_size(tokenizer.vocab_size, 128, 1)
-        trainers = {n: Trainer(n, seq, a, groups, vocab, tokenizer) for n in SCHEDULES}
+        trainers = {n: Trainer(n, seq, a, ctx, vocab, tokenizer) for n in SCHEDULES}
         times = {n: [] for n in SCHEDULES}
         cpu = {n: [] for n in SCHEDULES}
         sent = {}

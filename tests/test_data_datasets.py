@@ -18,7 +18,7 @@ from megatron_weipipe.data import (
     build_train_valid_test_datasets,
     check_indexed_dataset,
 )
-from megatron_weipipe.testing import run_distributed
+from harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = str(REPO / "data" / "sample_text_document")

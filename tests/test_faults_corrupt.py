@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from megatron_weipipe.testing import run_distributed
+from harness import run_distributed
 from megatron_weipipe.training import safe_load
 from test_faults_util import DATA, PRETRAIN, ROOT, tiny_args
 

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_weipipe.arguments import parse_config
 from megatron_weipipe.config import ConfigError
-from megatron_weipipe.testing.runs import REPO_ROOT, SAMPLE_DATA, tiny_gpt_args
+from harness.runs import REPO_ROOT, SAMPLE_DATA, tiny_gpt_args
 
 
 def _cli(argv, world_size=1, timeout=120):

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from megatron_weipipe.testing import run_distributed
-from megatron_weipipe.testing.runs import tiny_gpt_args, train_and_collect
+from harness import run_distributed
+from harness.runs import tiny_gpt_args, train_and_collect
 
 
 def _run_many(rank, world_size, argvs):

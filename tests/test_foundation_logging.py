@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from megatron_weipipe.testing.runs import REPO_ROOT, tiny_gpt_args
+from harness.runs import REPO_ROOT, tiny_gpt_args
 
 
 def test_log_line_validation_and_tensorboard(tmp_path):

@@ -7,9 +7,9 @@ iteration; layout-invariant initialisation makes the starting model identical.
 import numpy as np
 import pytest
 
-from megatron_weipipe.testing import run_distributed
-from megatron_weipipe.testing.runs import tiny_gpt_args, train_and_collect
-from megatron_weipipe.testing.state import assemble, max_relative_difference
+from harness import run_distributed
+from harness.runs import tiny_gpt_args, train_and_collect
+from harness.state import assemble, max_relative_difference
 
 RTOL = 1e-6
 

@@ -4,8 +4,8 @@ import os
 
 import numpy as np
 
-from megatron_weipipe.testing import run_distributed
-from megatron_weipipe.testing.runs import tiny_gpt_args, train_and_collect
+from harness import run_distributed
+from harness.runs import tiny_gpt_args, train_and_collect
 
 
 def _straight_then_split(rank, world_size, ckpt_dir):

@@ -1,6 +1,6 @@
 """FPDT and Ulysses attention against a single-process, unsharded, unchunked reference.
 
-The reference (fpdt.reference) splits the fused QKV as megatron-core does, uses
+The reference (tests/fpdt_reference.py) splits the fused QKV as megatron-core does, uses
 megatron-core's rotary functions and torch SDPA on the whole sequence. Each distributed
 run covers many configurations to keep process start-ups few: float64 within 1e-10,
 float32 within 1e-5 (relative to the largest reference value, which is O(1) here).
@@ -25,8 +25,8 @@ from megatron_weipipe.fpdt import (
     shard,
     ulysses_attention,
 )
-from megatron_weipipe.fpdt.reference import reference_attention
-from megatron_weipipe.testing import run_distributed
+from fpdt_reference import reference_attention
+from harness import run_distributed
 
 HIDDEN = 32
 HEAD_DIM = 8

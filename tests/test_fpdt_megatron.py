@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_weipipe.testing import run_distributed
+from harness import run_distributed
 
 TOL = 2e-5
 
@@ -32,7 +32,6 @@ def _megatron_run(rank, world):
     from megatron_weipipe.fpdt import (
         AttentionSpec,
         FPDTConfig,
-        FPDTSelfAttention,
         RotaryConfig,
         attention_spec_from_megatron,
         chunked_cross_entropy,
@@ -40,6 +39,8 @@ def _megatron_run(rank, world):
         fpdt_attention,
     )
     from megatron_weipipe.platform import install_cpu_adapter
+
+    from fpdt_modules import FPDTSelfAttention
 
     install_cpu_adapter()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)

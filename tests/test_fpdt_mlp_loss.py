@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_weipipe.fpdt import chunked_cross_entropy, chunked_mlp, reference_cross_entropy, reference_mlp
-from megatron_weipipe.testing import run_distributed
+from harness import run_distributed
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

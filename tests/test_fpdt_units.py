@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +14,6 @@ from megatron_weipipe.fpdt import (
     ChunkStore,
     CommCounter,
     FPDTConfig,
-    FPDTSelfAttention,
     MathKernel,
     OffloadStats,
     RotaryConfig,
@@ -28,7 +30,8 @@ from megatron_weipipe.fpdt import (
 )
 from megatron_weipipe.fpdt.kernels import CpuFlashKernel, self_check
 from megatron_weipipe.fpdt.rotary import RotaryTable, apply_rotary, apply_rotary_backward
-from megatron_weipipe.testing import run_distributed
+from fpdt_modules import FPDTSelfAttention
+from harness import run_distributed
 
 # ---------------------------------------------------------------- layout
 
@@ -305,7 +308,10 @@ def test_no_grad_forward_keeps_only_kv():
 
 
 def test_longest_fitting_doubles_then_bisects():
-    from megatron_weipipe.fpdt.benchutil import longest_fitting
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from fpdt_util import longest_fitting  # bench/fpdt_util.py
 
     seen = []
 

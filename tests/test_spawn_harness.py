@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_weipipe.testing import DistributedRunError, run_distributed
+from harness import DistributedRunError, run_distributed
 
 
 def _allreduce(rank, world_size):

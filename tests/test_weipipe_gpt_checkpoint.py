@@ -14,8 +14,8 @@ import re
 import numpy as np
 import pytest
 
-from megatron_weipipe.testing import run_distributed
-from megatron_weipipe.testing.state import max_relative_difference
+from harness import run_distributed
+from harness.state import max_relative_difference
 
 from test_weipipe_gpt_common import RTOL, argv, merge, train_many
 

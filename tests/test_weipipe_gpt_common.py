@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import io
 
-from megatron_weipipe.testing.runs import tiny_gpt_args
-from megatron_weipipe.testing.state import assemble, max_relative_difference
+from harness.runs import tiny_gpt_args
+from harness.state import assemble, max_relative_difference
 
 WEIPIPE = ("weipipe-naive", "weipipe-interleave", "weipipe-zb")
 RTOL = 1e-5
@@ -26,8 +26,7 @@ def train(rank: int, world_size: int, args: list[str]) -> dict:
 
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.model.gpt_step import forward_step
-    from megatron_weipipe.testing.state import local_shards
-    from megatron_weipipe.training.byte_counter import BYTE_COUNTER
+    from harness.state import local_shards
     from megatron_weipipe.training.pretrain import pretrain
 
     cfg = parse_config(args, world_size=world_size)
@@ -36,7 +35,7 @@ def train(rank: int, world_size: int, args: list[str]) -> dict:
     def after_backward(iteration, schedule):
         seen["schedule"] = schedule
         grads[iteration] = local_shards(schedule.model_chunks, "grad")
-        sent[iteration] = dict(BYTE_COUNTER.snapshot()["sent"])
+        sent[iteration] = dict(schedule.ctx.bytes.snapshot()["sent"])
         seen["chunk_numel"] = getattr(getattr(schedule, "layout", None), "numel", None)
 
     log = io.StringIO()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_weipipe.testing.runs import REPO_ROOT, tiny_gpt_args
+from harness.runs import REPO_ROOT, tiny_gpt_args
 
 CASES = {
     "ring of one": (2, dict(pipeline_schedule="weipipe-zb"), "--pipeline-model-parallel-size >= 2"),

@@ -16,7 +16,7 @@ from megatron_weipipe.schedules.weipipe import SCHEDULES, generate
 from megatron_weipipe.schedules.weipipe.flat import FlatLayout
 from megatron_weipipe.schedules.weipipe.metrics import expected_messages
 from megatron_weipipe.schedules.weipipe.runtime import WeiPipeRuntime
-from megatron_weipipe.testing import run_distributed
+from harness import run_distributed
 
 VOCAB, HIDDEN, SEQ, BATCH, LAYERS_PER_CHUNK = 13, 8, 5, 2, 2
 STEPS, LR = 3, 0.05

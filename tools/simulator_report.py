@@ -15,14 +15,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+sys.path.insert(1, os.path.abspath(os.path.dirname(__file__)))  # tools/simulator_validation
 
 
 def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_weipipe.simulator import paper, validation
     from megatron_weipipe.simulator.errors import SimulatorError
+    from simulator_validation import cpu_host, doc_tables
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -38,15 +39,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         if args.what == "cpu":
-            validation.run_validation(args.records, rounds=args.rounds, workdir=args.workdir)
-            print(paper.cpu_table(validation.summarise(validation.load_records(args.records))))
+            cpu_host.run_validation(args.records, rounds=args.rounds, workdir=args.workdir)
+            print(doc_tables.cpu_table(cpu_host.summarise(cpu_host.load_records(args.records))))
         elif args.what == "cpu-table":
-            records = validation.repredict(validation.load_records(args.records), args.workdir)
-            print(paper.cpu_table(validation.summarise(records)))
+            records = cpu_host.repredict(cpu_host.load_records(args.records), args.workdir)
+            print(doc_tables.cpu_table(cpu_host.summarise(records)))
         elif args.what == "weipipe-paper":
-            print(paper.weipipe_table())
+            print(doc_tables.weipipe_table())
         elif args.what == "fpdt-paper":
-            print(paper.fpdt_table())
+            print(doc_tables.fpdt_table())
     except SimulatorError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,6 @@ from megatron_weipipe.fpdt.layout import (
 )
 from megatron_weipipe.fpdt.loss import chunked_cross_entropy, reference_cross_entropy
 from megatron_weipipe.fpdt.mlp import ACTIVATIONS, chunked_mlp, reference_mlp
-from megatron_weipipe.fpdt.modules import ChunkedMLP, FPDTSelfAttention
 from megatron_weipipe.fpdt.offload import ChunkStore, HostBufferPool, OffloadStats
 from megatron_weipipe.fpdt.ulysses import (
     CommCounter,
@@ -30,11 +29,9 @@ __all__ = [
     "ACTIVATIONS",
     "AttentionSpec",
     "ChunkStore",
-    "ChunkedMLP",
     "CommCounter",
     "FPDTAttentionFunction",
     "FPDTConfig",
-    "FPDTSelfAttention",
     "HostBufferPool",
     "MathKernel",
     "OffloadStats",

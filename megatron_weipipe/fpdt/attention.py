@@ -312,7 +312,7 @@ def fpdt_attention(
 
     Returns [s_local, b, hidden], summed over ``tp_group``, with ``proj_bias`` added when
     given (pass None and add it yourself for Megatron's skip-bias-add). ``pool`` keeps
-    host buffers across calls (one per layer; FPDTSelfAttention owns one).
+    host buffers across calls (one per layer).
     """
     P = group_size(cp_group)
     spec.validate(P)

@@ -163,6 +163,7 @@ def pretrain(
     forward_step: ForwardStep,
     datasets_provider: Callable = build_train_valid_test_datasets,
     after_backward: Optional[Callable[[int, TrainSchedule], None]] = None,
+    on_log: Optional[Callable[[dict], None]] = None,
 ) -> TrainState:
     """Train ``cfg.training.train_iters`` iterations; returns the final state (losses per iteration).
 
@@ -170,6 +171,9 @@ def pretrain(
     stage; ``forward_step(data_iterator, model)`` is Megatron-LM's forward step.
     ``after_backward(iteration, schedule)``, if given, sees the reduced gradients of every
     iteration before the optimizer step (tests compare them across schedules).
+    ``on_log(stats)``, if given, is called on every rank at each logged iteration with the
+    fields of the log line as a dict (``iteration``, ``elapsed_ms``, ``bytes_sent`` ...,
+    unrounded), before rank 0 prints the line.
 
     An exception leaves with ``report`` (the line to print) and ``quiet`` (another rank
     prints the same error) attributes; peers are told through the watchdog and exit.
@@ -183,7 +187,7 @@ def pretrain(
         ctx = initialize_distributed(cfg)
         watchdog = start_watchdog(cfg.parallel.distributed_timeout_minutes)
         state = _pretrain(cfg, ctx, model_provider, forward_step, datasets_provider, after_backward,
-                          exit_signal, start_time)
+                          exit_signal, start_time, on_log)
         if watchdog is not None:
             watchdog.stop()
             dist.barrier()  # no rank may take the store down while a peer's watchdog still polls it
@@ -222,7 +226,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provider, after_backward, exit_signal,
-              start_time) -> TrainState:
+              start_time, on_log=None) -> TrainState:
     t, groups = cfg.training, ctx.groups
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
@@ -339,7 +343,7 @@ def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provi
                 per_iter = elapsed / window_iters
                 mem, _ = ctx.platform.peak_memory_gb()
                 lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else t.lr
-                line = training_log_line(
+                stats = dict(
                     iteration=state.iteration,
                     train_iters=t.train_iters,
                     consumed_samples=state.consumed_train_samples,
@@ -356,7 +360,9 @@ def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provi
                     mem_gb=mem,
                     bytes_sent=ctx.bytes.snapshot()["sent"],
                 )
-                print_rank_0(line)
+                if on_log is not None:
+                    on_log(stats)
+                print_rank_0(training_log_line(**stats))
                 tb.scalars(state.iteration, {"lm-loss": loss, "learning-rate": lr, "grad-norm": last_grad_norm or 0.0})
                 window_start, window_iters = time.time(), 0
 

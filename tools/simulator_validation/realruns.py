@@ -1,4 +1,4 @@
-"""Launch real pretrain_gpt.py runs under torchrun and read back what they logged."""
+"""Launch real pretrain_gpt.py runs under torchrun (through probe_run.py) and read back what they logged."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from .probe_run import ENV, REPO
 from megatron_weipipe.shape import ModelShape
+
+from .probe_run import ENV, REPO
 
 _ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+).*?"
                       r"(?:sent/rank/iter: (.*?) \|)?\s*$")
@@ -49,7 +50,7 @@ def pretrain_flags(shape: ModelShape, ranks: int, schedule: str, global_batch_si
 
 def launch(ranks: int, flags: list[str], probe_dir: str, *, timeout: float = 900.0) -> tuple[str, float, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "-m", "megatron_weipipe.simulator.probe_run", *flags]
+           os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_run.py"), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env[ENV] = probe_dir
     t0 = time.perf_counter()

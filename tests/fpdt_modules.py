@@ -5,6 +5,10 @@ returns ``(output, proj_bias)`` like megatron.core's SelfAttention (skip-bias-ad
 layer's bias-dropout-add applies the bias); ChunkedMLP holds ``linear_fc1.*`` and
 ``linear_fc2.*`` and returns ``(output, fc2_bias)`` like megatron.core's MLP. The state
 dict keys therefore match Megatron's local-spec layer and checkpoints load unchanged.
+
+Test support (tests/test_fpdt_units.py, tests/test_fpdt_megatron.py): the package's own
+integration, megatron_weipipe/model/long_context.py, keeps megatron-core's modules and
+replaces only their forward.
 """
 
 from __future__ import annotations

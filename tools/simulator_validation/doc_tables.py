@@ -8,8 +8,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from .cli import build_parser, config_from_args, costs_for
-from .project import simulate_run
+from megatron_weipipe.simulator.cli import costs_for, parse_command
+from megatron_weipipe.simulator.project import simulate_run
 
 # The WeiPipe paper's scaling run (authors' script): Llama-style blocks, L=32, h=1024, 32 heads,
 # micro-batch 2, seq 16384, two microbatches per GPU, pure pipeline of all GPUs; 1F1B with
@@ -17,7 +17,7 @@ from .project import simulate_run
 WEIPIPE_MODEL = ("--num-layers 32 --hidden-size 1024 --num-attention-heads 32 --seq-length 16384 "
                  "--micro-batch-size 2 --vocab-size 32000 --swiglu --ffn-hidden-size 2752 --normalization RMSNorm "
                  "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights "
-                 "--no-dropout")
+                 "--hidden-dropout 0 --attention-dropout 0 --bf16")
 WEIPIPE_CLUSTERS = {
     # assumed: A800-SXM nodes of 8 (NVLink capped at 200 GB/s per direction), 200 Gb/s IB per GPU
     "NVLink": "--gpu a800 --link nvlink-a800,ib-hdr --gpus-per-node 8",
@@ -31,13 +31,12 @@ WEIPIPE_PAPER = {"NVLink": 0.309, "PCIe + IB": 0.82, "PCIe + IB, slow links (6 /
 
 LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 "
              "--ffn-hidden-size 14336 --vocab-size 128256 --swiglu --normalization RMSNorm --disable-bias-linear "
-             "--position-embedding-type rope --untie-embeddings-and-output-weights --no-dropout "
+             "--position-embedding-type rope --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --bf16 "
              "--micro-batch-size 1 --global-batch-size 1 --gpu a100 --link nvlink3,ib --host-link pcie4")
 
 
 def run_command(flags: str):
-    args = build_parser().parse_args(shlex.split(flags))
-    _, _, cluster, specs = config_from_args(args)
+    args, cluster, specs = parse_command(shlex.split(flags))
     return [simulate_run(spec, cluster, costs_for(args, spec, cluster)) for spec in specs], cluster
 
 
@@ -65,7 +64,7 @@ class Variant:
 
 
 WEIPIPE_VARIANTS = (
-    Variant("as the paper ran it: 1F1B recomputes, WeiPipe does not", "--recompute-granularity full", ""),
+    Variant("as the paper ran it: 1F1B recomputes, WeiPipe does not", "--recompute-granularity full --recompute-method uniform", ""),
     Variant("neither recomputes", "", ""),
     Variant("neither recomputes, vocabulary 512 (no output-layer load on 1F1B's last stage)",
             "--vocab-size 512", "--vocab-size 512"),
@@ -100,7 +99,7 @@ def weipipe_table(gpus=(8, 16, 32)) -> str:
                 if n == gpus[-1] and v is WEIPIPE_VARIANTS[0]:
                     commands += [f"python tools/simulate.py {c}" for c in (mega, wei, zbc)]
     note = ("Commands of the 32-GPU rows of the first variant; the other rows change "
-            "--pipeline-model-parallel-size N --global-batch-size 4N, drop --recompute-granularity full "
+            "--pipeline-model-parallel-size N --global-batch-size 4N, drop --recompute-granularity full --recompute-method uniform "
             "(second variant) and add --vocab-size 512 (third).")
     head = ["| cluster | paper (up to) | " + " | ".join(v.name for v in WEIPIPE_VARIANTS) + " |",
             "|---" * (2 + len(WEIPIPE_VARIANTS)) + "|"]
@@ -121,10 +120,10 @@ FPDT_ROWS = (
      "--fpdt-offload-checkpoints --use-distributed-optimizer", "-"),
     ("same as the paper, checkpoints kept on the device",
      "--seq-length 2097152 --context-parallel-size 4 --fpdt --fpdt-chunk-size 65536 --fpdt-offload "
-     "--recompute-granularity full --zero3", "-"),
+     "--recompute-granularity full --recompute-method uniform --zero3", "-"),
     ("8B, 2M tokens, 4 GPUs, plain Ulysses (one chunk), ZeRO-3",
      "--seq-length 2097152 --context-parallel-size 4 --fpdt --fpdt-chunk-size 2097152 "
-     "--recompute-granularity full --zero3", "does not fit (paper)"),
+     "--recompute-granularity full --recompute-method uniform --zero3", "does not fit (paper)"),
     ("8B, 4M tokens, 8 GPUs: FPDT 64K chunks, offload, checkpoints on host, ZeRO-3 (paper)",
      "--seq-length 4194304 --context-parallel-size 8 --fpdt --fpdt-chunk-size 65536 --fpdt-offload "
      "--fpdt-offload-checkpoints --zero3", "fits, 68 GB HBM (paper blog)"),

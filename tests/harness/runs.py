@@ -48,7 +48,7 @@ def train_and_collect(rank: int, world_size: int, argv: list[str], collect_grads
     from megatron_weipipe.arguments import parse_config
     from megatron.core import parallel_state
     from megatron_weipipe.model.gpt_step import forward_step
-    from megatron_weipipe.testing.state import local_shards
+    from harness.state import local_shards
     from megatron_weipipe.training.pretrain import pretrain
 
     cfg = parse_config(argv, world_size=world_size)

@@ -23,9 +23,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from megatron_weipipe.shape import ModelShape
+
 from .probe_run import REPO
 from .realruns import real_run
-from megatron_weipipe.shape import ModelShape
 
 SCHEDULES = ("1f1b", "weipipe-naive", "weipipe-interleave", "weipipe-zb")
 
@@ -53,7 +54,7 @@ def simulate_flags(shape: ModelShape, ranks: int, global_batch: int, schedules) 
         "--num-attention-heads", str(shape.num_attention_heads), "--seq-length", str(shape.seq_length),
         "--micro-batch-size", str(shape.micro_batch_size), "--global-batch-size", str(global_batch),
         "--vocab-size", str(shape.vocab_size), "--pipeline-model-parallel-size", str(ranks),
-        "--fp32", "--no-dropout", "--schedules", ",".join(schedules),
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--schedules", ",".join(schedules),
     ]
 
 
