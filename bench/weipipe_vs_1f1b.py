@@ -86,11 +86,11 @@ class Trainer:
         from megatron_weipipe.arguments import parse_config
         from megatron_weipipe.data.datasets import build_data_loader, build_train_valid_test_datasets
         from megatron_weipipe.model.gpt import build_gpt_model
-        from megatron_weipipe.schedules.registry import get_schedule
+        from megatron_weipipe.schedules.registry import train_class
         from megatron_weipipe.training.optimizer import build_optimizer
 
         cfg = parse_config(model_args(seq, a) + ["--pipeline-schedule", name], world_size=2)
-        self.schedule = get_schedule(name)(cfg, groups)
+        self.schedule = train_class(name)(cfg, groups)
         spec = flash_spec(cfg)
 
         def provider(pre_process=True, post_process=True, vp_stage=None):

@@ -7,10 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_weipipe.schedules.timeline import build
-from megatron_weipipe.schedules.weipipe.actions import Kind
-from megatron_weipipe.schedules.weipipe.metrics import expected_bubble
-from megatron_weipipe.schedules.weipipe.simulate import DEFAULT_COSTS, simulate
+from megatron_weipipe.schedules.plan.timeline import build
+from megatron_weipipe.schedules.plan.actions import Kind
+from megatron_weipipe.schedules.plan.metrics import expected_bubble
+from megatron_weipipe.schedules.plan.simulate import DEFAULT_COSTS, simulate
 from megatron_weipipe.simulator.calibrate import ChunkTimes
 from megatron_weipipe.simulator.costs import CostModel
 from megatron_weipipe.simulator.errors import SimulatorError

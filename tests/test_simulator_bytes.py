@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_weipipe.schedules.weipipe.actions import Flow
-from megatron_weipipe.schedules.weipipe.metrics import expected_messages
+from megatron_weipipe.schedules.plan.actions import Flow
+from megatron_weipipe.schedules.plan.metrics import expected_messages
 from megatron_weipipe.simulator import collectives
 from megatron_weipipe.simulator.calibrate import ChunkTimes
 from megatron_weipipe.simulator.costs import CostModel

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_weipipe.schedules.timeline import build
-from megatron_weipipe.schedules.weipipe.actions import Kind
+from megatron_weipipe.schedules.plan.timeline import build
+from megatron_weipipe.schedules.plan.actions import Kind
 from megatron_weipipe.simulator.calibrate import ChunkTimes, HostCalibration, calibrate
 from megatron_weipipe.simulator.costs import from_calibration, scale_chunk
 from megatron_weipipe.simulator.shape import ModelShape

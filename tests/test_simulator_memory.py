@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_weipipe.schedules.timeline import build
+from megatron_weipipe.schedules.plan.timeline import build
 from megatron_weipipe.simulator import memory
 from megatron_weipipe.simulator.calibrate import pretrain_config_for, single_process_megatron
 from megatron_weipipe.simulator.layout import Layout
@@ -35,7 +35,7 @@ def _measure(shape: ModelShape, dropout: float) -> dict:
     from megatron.core.distributed import DistributedDataParallel
 
     from megatron_weipipe.model.gpt import build_gpt_model
-    from megatron_weipipe.schedules.megatron_schedules import ddp_config
+    from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
     from megatron_weipipe.training.optimizer import build_optimizer
 
     cfg = pretrain_config_for(shape, shape.num_layers)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from megatron_weipipe.schedules.weipipe.actions import Action, Kind, Schedule
+from megatron_weipipe.schedules.plan.actions import Action, Kind, Schedule
 
 from . import collectives
 from .calibrate import ChunkTimes, HostCalibration

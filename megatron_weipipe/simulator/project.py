@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_weipipe.schedules.timeline import megatron_timeline
-from megatron_weipipe.schedules.weipipe.actions import Action, Flow, Kind, Schedule
-from megatron_weipipe.schedules.weipipe.generate import SCHEDULES as WEIPIPE_SCHEDULES
-from megatron_weipipe.schedules.weipipe.generate import generate
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.plan.actions import Action, Flow, Kind, Schedule
+from megatron_weipipe.schedules.plan.generate import generate
+from megatron_weipipe.schedules.plan.timeline import megatron_timeline
 
 from . import collectives, memory
 from .costs import CostModel
@@ -31,8 +31,9 @@ from .hardware import Cluster
 from .layout import Layout
 from .shape import ModelShape
 
-MEGATRON = ("none", "1f1b", "interleaved")
-SCHEDULE_NAMES = MEGATRON + WEIPIPE_SCHEDULES
+MEGATRON = registry.megatron_names()
+WEIPIPE_SCHEDULES = registry.weipipe_names()
+SCHEDULE_NAMES = registry.names()
 FLAGS_BYTES = 40  # pretrain's per-iteration all-reduce: loss sum, count, bad count, 2 exit flags (fp64)
 NORM_BYTES = 4  # megatron-core's gradient-norm all-reduce (one fp32)
 

@@ -1,25 +1,6 @@
-"""WeiPipe: weight-pipeline schedules as data, their validator, metrics and runtime.
+"""Old home of the WeiPipe schedule code, now in schedules/plan and schedules/runtime.
 
-The runtime (torch.distributed) lives in `.runtime`; everything exported here is plain
-data and pure functions usable without a process group.
+Only `flat` remains here, as a re-export: simulator/calibrate.py (outside the schedules
+refactor) still imports it. Drop this package once that import reads
+megatron_weipipe.schedules.runtime.flat.
 """
-
-from .actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
-from .generate import SCHEDULES, generate
-from .simulate import DEFAULT_COSTS, Timing, simulate
-from .validate import validate
-
-__all__ = [
-    "Action",
-    "Buffer",
-    "DEFAULT_COSTS",
-    "Flow",
-    "Kind",
-    "SCHEDULES",
-    "Schedule",
-    "ScheduleError",
-    "Timing",
-    "generate",
-    "simulate",
-    "validate",
-]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from .actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
+from ..plan.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
 from .flat import FlatLayout
 
 

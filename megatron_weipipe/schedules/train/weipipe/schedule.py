@@ -1,9 +1,10 @@
-"""`--pipeline-schedule weipipe-naive | weipipe-interleave | weipipe-zb` for pretrain().
+"""`--pipeline-schedule weipipe-*` for pretrain(): every WeiPipe variant of the registry.
 
 Ring = the pipeline-model-parallel group (P ranks). Each ring rank trains G =
 num_microbatches / P microbatches of its own per iteration through all P decoder
-chunks, the chunks' weights and gradients circulating (schedules/weipipe/runtime.py).
-After the iteration the owner's summed chunk gradient is copied into megatron-core
+chunks, the chunks' weights and gradients circulating (schedules/runtime/ring.py).
+The variant only decides the action lists (its plan, through the registry); this class
+is the same for all of them. After the iteration the owner's summed chunk gradient is copied into megatron-core
 DDP's main_grad, the replicated parameters' gradients are summed over the ring, and DDP
 finishes the data-parallel reduction, so megatron-core's optimizer (fp32 master,
 clipping, Adam) and checkpointing run unchanged.
@@ -12,14 +13,15 @@ clipping, Adam) and checkpointing run unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from megatron_weipipe.config import ConfigError, PretrainConfig
-from megatron_weipipe.schedules.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.train.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
 from megatron_weipipe.training.byte_counter import BYTE_COUNTER
 
 # Runtime flows -> the kinds the log line's sent/rank/iter shows.
@@ -33,7 +35,7 @@ class MegatronRNG:
     def __init__(self):
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-        from megatron_weipipe.schedules.weipipe.runtime import TorchRNG
+        from megatron_weipipe.schedules.runtime.ring import TorchRNG
 
         self.torch_rng = TorchRNG()
         self.tracker = get_cuda_rng_tracker()
@@ -48,26 +50,13 @@ class MegatronRNG:
 
 
 class WeiPipeSchedule(TrainSchedule):
-    """Common part of the three WeiPipe schedules; subclasses only name their plan."""
-
-    name: ClassVar[str]
-
-    @classmethod
-    def check_config(cls, cfg: PretrainConfig) -> None:
-        p, flag = cfg.parallel, f"--pipeline-schedule {cls.name}"
-        P = p.pipeline_model_parallel_size
-        if P < 2:
-            raise ConfigError(f"{flag} needs --pipeline-model-parallel-size >= 2 (the size of the weight ring)")
-        if p.num_layers_per_virtual_pipeline_stage is not None:
-            raise ConfigError(f"{flag} does not take --num-layers-per-virtual-pipeline-stage (one chunk per ring rank)")
-        if cfg.num_microbatches % P != 0:
-            raise ConfigError(
-                f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "
-                f"data-parallel size) = {cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({P})"
-            )
+    """Any WeiPipe variant (``self.name``, from the configuration); its start-up rules
+    are plan/rules.py's check_weipipe."""
 
     def __init__(self, cfg: PretrainConfig, groups):
         super().__init__(cfg, groups)
+        if registry.entry(self.name).family != registry.WEIPIPE:
+            raise ValueError(f"{self.name!r} is not a WeiPipe schedule")
         self.P = groups.pp_size
         self.G = cfg.num_microbatches // self.P
         self.runtime = None
@@ -79,10 +68,10 @@ class WeiPipeSchedule(TrainSchedule):
         from megatron.core.distributed import DistributedDataParallel
 
         from megatron_weipipe.model.gpt import compute_dtype
-        from megatron_weipipe.schedules.megatron_schedules import ddp_config
-        from megatron_weipipe.schedules.weipipe import generate, validate
-        from megatron_weipipe.schedules.weipipe.flat import FlatLayout
-        from megatron_weipipe.schedules.weipipe.runtime import WeiPipeRuntime
+        from megatron_weipipe.schedules.plan import generate, validate
+        from megatron_weipipe.schedules.runtime.flat import FlatLayout
+        from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
+        from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
 
         from .ring_model import DecoderChunk, make_ring_replicas, replicated_parameters
         from .steps import GPTEnds
@@ -192,15 +181,3 @@ class WeiPipeSchedule(TrainSchedule):
         for flow, n in self._last_bytes["sent"].items():
             out[FLOW_KIND[flow]] = out.get(FLOW_KIND[flow], 0) + n
         return out
-
-
-class WeiPipeNaive(WeiPipeSchedule):
-    name = "weipipe-naive"
-
-
-class WeiPipeInterleave(WeiPipeSchedule):
-    name = "weipipe-interleave"
-
-
-class WeiPipeZeroBubble(WeiPipeSchedule):
-    name = "weipipe-zb"

@@ -1,0 +1,103 @@
+"""Megatron's own schedules (no pipelining, 1F1B, interleaved 1F1B), reused from megatron-core.
+
+The schedule functions are megatron-core's; this module only builds the stage models
+the way Megatron-LM's ``get_model`` does and wraps them in megatron-core's DDP.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_weipipe.config import PretrainConfig
+from .base import ForwardStep, ModelProvider, StepResult, TrainSchedule
+from megatron_weipipe.training.byte_counter import BYTE_COUNTER
+
+
+def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # checked by the training loop, with a clearer message
+        bucket_size=None,
+    )
+
+
+def wrap_ddp(cfg: PretrainConfig, chunks: list[torch.nn.Module]) -> list[DistributedDataParallel]:
+    conf = ddp_config(cfg)
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        wrapped.append(
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=conf,
+                module=chunk,
+                # Megatron-LM: only the first virtual chunk gets buckets, overlap needs the rest.
+                disable_bucketing=i > 0,
+            )
+        )
+    return wrapped
+
+
+class MegatronSchedule(TrainSchedule):
+    """none, 1f1b and interleaved: megatron-core's forward_backward function for the
+    parallel layout (its start-up rules are plan/rules.py's check_no_pipelining,
+    check_1f1b and check_interleaved)."""
+
+    def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
+        vpp = self.cfg.parallel.virtual_pipeline_size(self.cfg.model.num_layers)
+        chunks = []
+        if vpp is None:
+            chunks.append(
+                model_provider(
+                    pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+                )
+            )
+        else:
+            for v in range(vpp):
+                chunks.append(
+                    model_provider(
+                        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+                        vp_stage=v,
+                    )
+                )
+        self.model_chunks = wrap_ddp(self.cfg, chunks)
+        config = chunks[0].config
+        config.finalize_model_grads_func = finalize_model_grads
+        if self.cfg.parallel.overlap_grad_reduce:
+            config.no_sync_func = [m.no_sync for m in self.model_chunks]
+            if len(self.model_chunks) == 1:
+                config.no_sync_func = config.no_sync_func[0]
+            config.grad_sync_func = [m.start_grad_sync for m in self.model_chunks]
+            if len(self.model_chunks) == 1:
+                config.grad_sync_func = config.grad_sync_func[0]
+        return self.model_chunks
+
+    def forward_backward(
+        self,
+        forward_step: ForwardStep,
+        microbatches: list[dict],
+        forward_only: bool = False,
+    ) -> StepResult:
+        fb = get_forward_backward_func()
+        chunks = self.model_chunks
+        # Each virtual chunk reads the same microbatches at its own pace (first: tokens, last: labels).
+        iterators = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
+        with BYTE_COUNTER.scope("activations"):
+            losses = fb(
+                forward_step_func=forward_step,
+                data_iterator=iterators,
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(microbatches),
+                # megatron-core divides by the context-parallel size itself.
+                seq_length=self.cfg.model.seq_length,
+                micro_batch_size=self.cfg.training.micro_batch_size,
+                forward_only=forward_only,
+            )
+        has_loss = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        return StepResult(losses=list(losses) if has_loss else [], has_loss=has_loss)
