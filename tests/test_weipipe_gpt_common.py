@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import io
 
+from megatron_weipipe.schedules.registry import weipipe_names
 from megatron_weipipe.testing.runs import tiny_gpt_args
 from megatron_weipipe.testing.state import assemble, max_relative_difference
 
-WEIPIPE = ("weipipe-naive", "weipipe-interleave", "weipipe-zb")
+WEIPIPE = weipipe_names()
 RTOL = 1e-5
 
 

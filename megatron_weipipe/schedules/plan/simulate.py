@@ -10,7 +10,9 @@ barrier, paces the ring.
 
 It is the event core (events.py) with every receive posted up front, no wire time and
 `comm_time` as each message's latency; the cluster simulator (simulator/events.py)
-runs the same core with real costs, links and posting rules.
+runs the same core with real costs, links and posting rules. Times are exact for costs
+that are binary fractions (the defaults, unit costs); for others the core's
+remaining-work bookkeeping can differ from a plain running sum in the last bit.
 """
 
 from __future__ import annotations
