@@ -4,7 +4,7 @@ This file is that module: `weipipe-fwd-first` runs the interleave grid with the 
 (and loss) before the backward inside each tick. Registered by inserting one entry into
 the registry table (under monkeypatch), it is accepted by generation, the validator,
 the tick simulator, the timeline builder, the start-up rules and the training class
-lookup, with no other change anywhere.
+lookup, and pretrain() trains the GPT model with it exactly, with no other change anywhere.
 """
 
 from __future__ import annotations
@@ -88,3 +88,29 @@ def test_variant_start_up_rules_and_training_class(variant):
     with pytest.raises(ConfigError, match=f"--pipeline-schedule {variant} needs --pipeline-model-parallel-size >= 2"):
         registry.check_config(cfg(1))
     assert registry.train_class(variant) is WeiPipeSchedule
+
+
+def _train_with_variant(rank: int, world_size: int, argvs: list[list[str]]) -> list[dict]:
+    """A spawned rank: register the variant the same way (one entry), then pretrain()."""
+    from test_weipipe_gpt_common import train_many
+
+    registry.SCHEDULES[NAME] = registry.weipipe(NAME, f"{__name__}:plan")
+    return train_many(rank, world_size, argvs)
+
+
+@pytest.mark.distributed
+def test_variant_trains_gpt_like_the_reference():
+    """pretrain_gpt's model under the new variant (ring of 2, G = 2, recomputation) equals
+    the single-process run: losses, reduced gradients, parameters after 3 Adam steps."""
+    from megatron_weipipe.testing import run_distributed
+
+    from test_weipipe_gpt_common import argv, assert_matches, merge, train_many
+
+    flags = dict(num_layers=4, global_batch_size=8)
+    reference = merge(run_distributed(train_many, 1, [argv(**flags)], timeout=300), 0)
+    ring = argv(pipeline_model_parallel_size=2, pipeline_schedule=NAME, recompute_granularity="full",
+                recompute_method="uniform", log_interval=1, **flags)
+    run = merge(run_distributed(_train_with_variant, 2, [ring], timeout=300), 0)
+    assert f"> schedule {NAME}:" in run["log"]
+    assert len(run["losses"]) == 3
+    assert_matches(run, reference, NAME)
