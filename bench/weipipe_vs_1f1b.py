@@ -30,9 +30,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/harness: the spawn helper of the tests
 
-from harness import run_distributed  # noqa: E402
+from megatron_weipipe.testing import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "weipipe-interleave", "weipipe-zb")
 
@@ -82,16 +81,14 @@ class Trainer:
     """One schedule's model, optimizer and data stream; `step()` is one training iteration."""
 
     def __init__(self, name: str, seq: int, a, ctx, vocab, tokenizer):
-        from functools import partial
-
         from megatron_weipipe.arguments import parse_config
         from megatron_weipipe.data.datasets import build_data_loader, build_train_valid_test_datasets
         from megatron_weipipe.model.gpt import build_gpt_model
-        from megatron_weipipe.schedules.registry import get_schedule
+        from megatron_weipipe.schedules.registry import train_class
         from megatron_weipipe.training.optimizer import build_optimizer
 
         cfg = parse_config(model_args(seq, a) + ["--pipeline-schedule", name], world_size=2)
-        self.schedule = get_schedule(name)(cfg, ctx)
+        self.schedule = train_class(name)(cfg, ctx)
         spec = flash_spec(cfg)
 
         def provider(pre_process=True, post_process=True, vp_stage=None):

@@ -44,12 +44,12 @@ def add_pretrain_flags(parser: argparse.ArgumentParser, *, require: bool = True)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_weipipe.schedules.registry import schedule_names
+    from megatron_weipipe.schedules import registry
 
     p = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
         description="Megatron-style GPT pretraining with WeiPipe and FPDT schedules.",
-        epilog=f"pipeline schedules: {', '.join(schedule_names())}",
+        epilog=f"pipeline schedules: {', '.join(registry.names())}",
         allow_abbrev=False,
     )
     add_pretrain_flags(p)
@@ -69,17 +69,17 @@ def config_from_args(args: argparse.Namespace, world_size: Optional[int] = None)
 
 def resolve_defaults(cfg: PretrainConfig) -> PretrainConfig:
     """``cfg`` with the defaults that depend on other flags filled in (the schedule among them)."""
-    from megatron_weipipe.schedules.registry import default_schedule_name
+    from megatron_weipipe.schedules import registry
 
-    return cfg.with_derived_defaults(cfg.parallel.pipeline_schedule or default_schedule_name(cfg))
+    return cfg.with_derived_defaults(registry.schedule_name(cfg))
 
 
 def check_config(cfg: PretrainConfig, *, check_data: bool = True) -> None:
     """Every start-up rule: the configs', the schedule's and (optionally) the data files'."""
-    from megatron_weipipe.schedules.registry import get_schedule
+    from megatron_weipipe.schedules import registry
 
     cfg.validate()
-    get_schedule(cfg.schedule_name).check_config(cfg)
+    registry.check_config(cfg)
     if check_data:
         try:
             cfg.data.validate()

@@ -59,9 +59,14 @@ class ModelConfig:
 
     def shape(self, micro_batch_size: int = 1, vocab_size: int = 32000) -> ModelShape:
         """The shape arithmetic of this model (FFN width, parameter counts, FLOPs)."""
-        names = {f.name for f in fields(ModelShape)}
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name in names}
+        own = {name: getattr(self, name) for name in _SHAPE_FIELDS}
         return ModelShape(**own, micro_batch_size=micro_batch_size, vocab_size=vocab_size)
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, **overrides) -> "ModelConfig":
+        """A model of this shape (the simulator's and the calibrator's way back to a config)."""
+        own = {name: getattr(shape, name) for name in _SHAPE_FIELDS}
+        return cls(**own, group_query_attention=shape.num_query_groups is not None, **overrides)
 
     @property
     def ffn(self) -> int:
@@ -89,6 +94,9 @@ class ModelConfig:
     @property
     def query_groups(self) -> int:
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+
+_SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape) if f.name in {g.name for g in fields(ModelConfig)})
 
 
 @dataclass

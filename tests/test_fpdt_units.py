@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -308,9 +306,6 @@ def test_no_grad_forward_keeps_only_kv():
 
 
 def test_longest_fitting_doubles_then_bisects():
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
     from fpdt_util import longest_fitting  # bench/fpdt_util.py
 
     seen = []

@@ -7,17 +7,18 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_weipipe.schedules.timeline import build
-from megatron_weipipe.schedules.weipipe.actions import Kind
-from megatron_weipipe.schedules.weipipe.metrics import expected_bubble
-from megatron_weipipe.schedules.weipipe.simulate import DEFAULT_COSTS, simulate
-from megatron_weipipe.simulator.calibrate import ChunkTimes
+from megatron_weipipe.schedules.plan.timeline import build
+from megatron_weipipe.schedules.plan.actions import Kind
+from megatron_weipipe.schedules.plan.metrics import expected_bubble
+from megatron_weipipe.schedules.plan.simulate import DEFAULT_COSTS, simulate
+from megatron_weipipe.simulator.calibration import ChunkTimes
 from megatron_weipipe.simulator.costs import CostModel
 from megatron_weipipe.simulator.errors import SimulatorError
 from megatron_weipipe.simulator.events import EventModel, replay
 from megatron_weipipe.simulator.hardware import Cluster, DEVICES, LinkSpec
 from megatron_weipipe.simulator.layout import Layout
-from megatron_weipipe.simulator.project import RunSpec, simulate_run
+from megatron_weipipe.simulator.project import simulate_run
+from megatron_weipipe.simulator.run_spec import RunSpec
 from megatron_weipipe.shape import ModelShape
 
 FREE = LinkSpec("free", 1e12, 0.0)
@@ -128,7 +129,7 @@ def test_host_cpu_of_messages_is_charged_to_both_ends(name):
 
 
 def test_background_load_from_what_the_calibrators_saw():
-    from megatron_weipipe.simulator.hostprobe import background_tasks
+    from megatron_weipipe.simulator.calibration import background_tasks
 
     # saturated: 2 calibrators got half a core each on 2 cores -> 4 runnable, 2 of them others
     assert background_tasks(0.5, 2.0, 2, processes=2) == pytest.approx(2.0)

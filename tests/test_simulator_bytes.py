@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_weipipe.schedules.weipipe.actions import Flow
-from megatron_weipipe.schedules.weipipe.metrics import expected_messages
+from megatron_weipipe.schedules.plan.actions import Flow
+from megatron_weipipe.schedules.plan.metrics import expected_messages
 from megatron_weipipe.simulator import collectives
-from megatron_weipipe.simulator.calibrate import ChunkTimes
+from megatron_weipipe.simulator.calibration import ChunkTimes
 from megatron_weipipe.simulator.costs import CostModel
 from megatron_weipipe.simulator.hardware import DEVICES, Cluster, LinkSpec
 from megatron_weipipe.simulator.layout import Layout
-from megatron_weipipe.simulator.project import FLAGS_BYTES, NORM_BYTES, RunSpec, counter_bytes, simulate_run
+from megatron_weipipe.simulator.project import FLAGS_BYTES, NORM_BYTES, counter_bytes, simulate_run
+from megatron_weipipe.simulator.run_spec import RunSpec
 from megatron_weipipe.shape import ModelShape
 
 SHAPE = ModelShape(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
@@ -95,7 +96,7 @@ def test_layout_places_tp_innermost_and_pipelines_across_nodes():
 def megatron_models():
     """Parameter counts of real megatron-core GPTModels (one process, built on the CPU)."""
     from megatron_weipipe.model.gpt import build_gpt_model
-    from megatron_weipipe.simulator.calibrate import pretrain_config_for, single_process_megatron
+    from host_calibration import pretrain_config_for, single_process_megatron
 
     out = {}
     for key, shape in (("gpt", SHAPE), ("llama", LLAMA)):

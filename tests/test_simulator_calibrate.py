@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_weipipe.schedules.timeline import build
-from megatron_weipipe.schedules.weipipe.actions import Kind
-from megatron_weipipe.simulator.calibrate import ChunkTimes, HostCalibration, calibrate
+from megatron_weipipe.schedules.plan.timeline import build
+from megatron_weipipe.schedules.plan.actions import Kind
+from host_calibration import calibrate
+from megatron_weipipe.simulator.calibration import ChunkTimes, HostCalibration
 from megatron_weipipe.simulator.costs import from_calibration, scale_chunk
 from megatron_weipipe.shape import ModelShape
 

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_weipipe.schedules.timeline import build
+from megatron_weipipe.schedules.plan.timeline import build
 from megatron_weipipe.simulator import memory
-from megatron_weipipe.simulator.calibrate import pretrain_config_for, single_process_megatron
+from host_calibration import pretrain_config_for, single_process_megatron
 from megatron_weipipe.simulator.layout import Layout
-from megatron_weipipe.simulator.project import RunSpec
+from megatron_weipipe.simulator.run_spec import RunSpec
 from megatron_weipipe.shape import ModelShape
 
 GPT = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, micro_batch_size=2,
@@ -35,7 +35,7 @@ def _measure(shape: ModelShape, dropout: float) -> dict:
     from megatron.core.distributed import DistributedDataParallel
 
     from megatron_weipipe.model.gpt import build_gpt_model
-    from megatron_weipipe.schedules.megatron_schedules import ddp_config
+    from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
     from megatron_weipipe.training.optimizer import build_optimizer
 
     cfg = pretrain_config_for(shape, shape.num_layers)

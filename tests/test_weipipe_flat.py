@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from megatron_weipipe.schedules.weipipe.flat import FlatLayout
+from megatron_weipipe.schedules.runtime.flat import FlatLayout
 
 
 def _chunk(seed):

@@ -12,11 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from megatron_weipipe.schedules.weipipe import SCHEDULES, generate
-from megatron_weipipe.schedules.weipipe.flat import FlatLayout
-from megatron_weipipe.schedules.weipipe.metrics import expected_messages
-from megatron_weipipe.schedules.weipipe.runtime import WeiPipeRuntime
-from harness import run_distributed
+from megatron_weipipe.schedules.plan import generate
+from megatron_weipipe.schedules.plan.metrics import expected_messages
+from megatron_weipipe.schedules.registry import weipipe_names
+from megatron_weipipe.schedules.runtime.flat import FlatLayout
+from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
+from megatron_weipipe.testing import run_distributed
 
 VOCAB, HIDDEN, SEQ, BATCH, LAYERS_PER_CHUNK = 13, 8, 5, 2, 2
 STEPS, LR = 3, 0.05
@@ -147,7 +148,7 @@ def _parity_worker(rank, world_size, configs):
 
 def _configs(P):
     # recomputation alternates with G so every schedule runs both ways
-    return [(name, G, G == 2) for name in SCHEDULES for G in (1, 2, 3)]
+    return [(name, G, G == 2) for name in weipipe_names() for G in (1, 2, 3)]
 
 
 @pytest.mark.distributed
@@ -211,8 +212,8 @@ def _options_worker(rank, world_size):
     loaded into bwd_weights leaves the losses exact and breaks the gradients, with and
     without recomputation. (b) bf16 compute / bf16 gradient messages run, stay close to
     the reference, and the byte counter sees 2-byte elements."""
-    from megatron_weipipe.schedules.weipipe import runtime as rt_mod
-    from megatron_weipipe.schedules.weipipe.actions import Flow
+    from megatron_weipipe.schedules.plan.actions import Flow
+    from megatron_weipipe.schedules.runtime import ring as rt_mod
 
     P, G = world_size, 2
     ring = dist.new_group(list(range(P)))

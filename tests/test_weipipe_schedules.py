@@ -8,9 +8,9 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_weipipe.schedules.timeline import build, megatron_timeline, tick_table
-from megatron_weipipe.schedules.weipipe import SCHEDULES, Flow, Kind, ScheduleError, generate, validate
-from megatron_weipipe.schedules.weipipe.metrics import (
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.plan import Flow, Kind, ScheduleError, generate, validate
+from megatron_weipipe.schedules.plan.metrics import (
     bubble_fraction,
     expected_bubble,
     expected_messages,
@@ -22,7 +22,10 @@ from megatron_weipipe.schedules.weipipe.metrics import (
     traffic,
     weipipe_message_sizes,
 )
-from megatron_weipipe.schedules.weipipe.simulate import simulate
+from megatron_weipipe.schedules.plan.simulate import simulate
+from megatron_weipipe.schedules.plan.timeline import build, megatron_timeline, tick_table
+
+SCHEDULES = registry.weipipe_names()
 
 GRID = [(P, G) for P in range(2, 9) for G in range(1, 5)]
 

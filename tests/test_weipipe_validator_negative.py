@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from megatron_weipipe.schedules.weipipe import Flow, Kind, ScheduleError, generate, validate
-from megatron_weipipe.schedules.weipipe.execution import walk
+from megatron_weipipe.schedules.plan import Flow, Kind, ScheduleError, generate, validate
+from megatron_weipipe.schedules.plan.execution import walk
 
 
 def mutate(schedule, rank, fn):

@@ -3,8 +3,9 @@
 
     python tools/schedule_timeline.py --schedule weipipe-interleave -P 4 -G 2 --png out.png
 
-Schedules: 1f1b, interleaved (Megatron; N = G*P microbatches unless -N is given, V
-virtual stages), weipipe-naive, weipipe-interleave, weipipe-zb. The text output is a
+Schedules: every one of the registry with a plan: 1f1b, interleaved (Megatron; N = G*P
+microbatches unless -N is given, V virtual stages), weipipe-naive, weipipe-interleave,
+weipipe-zb, and any WeiPipe variant added there. The text output is a
 tick table (rows = ticks, 0-indexed) plus ticks, idle ticks per rank and the bubble
 fraction measured by the simulator (F=1, B=2, I=W=1); the PNG draws the simulated
 timeline with the bubble fraction in its title. Bad arguments end with one line on
@@ -19,11 +20,12 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_weipipe.schedules.timeline import ALL_SCHEDULES, build, tick_table  # noqa: E402
-from megatron_weipipe.schedules.weipipe.actions import COMPUTE_KINDS, Kind, ScheduleError  # noqa: E402
-from megatron_weipipe.schedules.weipipe.metrics import idle_ticks  # noqa: E402
-from megatron_weipipe.schedules.weipipe.simulate import simulate  # noqa: E402
-from megatron_weipipe.schedules.weipipe.validate import validate  # noqa: E402
+from megatron_weipipe.schedules import registry  # noqa: E402
+from megatron_weipipe.schedules.plan.actions import COMPUTE_KINDS, Kind, ScheduleError  # noqa: E402
+from megatron_weipipe.schedules.plan.metrics import idle_ticks  # noqa: E402
+from megatron_weipipe.schedules.plan.simulate import simulate  # noqa: E402
+from megatron_weipipe.schedules.plan.timeline import build, tick_table  # noqa: E402
+from megatron_weipipe.schedules.plan.validate import validate  # noqa: E402
 
 COLORS = {
     Kind.FORWARD: "#4C72B0",
@@ -76,7 +78,7 @@ def draw(sched, timing, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schedule", required=True, choices=ALL_SCHEDULES)
+    ap.add_argument("--schedule", required=True, choices=registry.plan_names())
     ap.add_argument("-P", type=int, required=True, help="ring / pipeline ranks")
     ap.add_argument("-G", type=int, required=True, help="microbatches per WeiPipe rank")
     ap.add_argument("-N", type=int, default=None, help="Megatron microbatches (default G*P)")

@@ -18,7 +18,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-from megatron_weipipe.data.config import DataConfig, check_indexed_dataset, parse_blend
+from megatron_weipipe.data.config import DataConfig, parse_blend
 from megatron_weipipe.data.samplers import PretrainingSampler
 from megatron_weipipe.data.tokenizers import Tokenizer
 

@@ -102,12 +102,14 @@ def build_cluster(hw: HardwareOptions):
 
 def run_specs(a: SimulatorArgs) -> list:
     """One RunSpec per compared schedule, each checked by the training rules; raises ConfigError."""
-    from .project import SCHEDULE_NAMES
-    from .run_config import for_schedule, spec_from_config
+    from megatron_weipipe.schedules import registry
+
+    from .run_spec import for_schedule, spec_from_config
 
     names = schedule_names(a)
     for n in names:
-        require(n in SCHEDULE_NAMES, f"--schedules: {n!r} is unknown; choose from {', '.join(SCHEDULE_NAMES)}")
+        require(registry.find(n) is not None,
+                f"--schedules: {n!r} is unknown; choose from {', '.join(registry.names())}")
     return [spec_from_config(for_schedule(a.config, n), virtual_stages=a.sim.virtual_stages, zero3=a.sim.zero3,
                              attention_impl="unfused" if a.calibrated else "flash",
                              weight_pass=a.sim.weipipe_weight_pass,
@@ -121,11 +123,12 @@ def parse_command(argv: Optional[Sequence[str]] = None):
     return a, build_cluster(a.hw), run_specs(a)
 
 
-def calibration_for(opts: CalibrationOptions, spec):
-    """This host's calibration for the spec's shape: read from --calibration, or measured."""
+def calibration_for(opts: CalibrationOptions, spec, calibrator=None):
+    """This host's calibration for the spec's shape: read from --calibration, or measured
+    by ``calibrator`` (tools/host_calibration.py, which runs real megatron-core layers)."""
     import os
 
-    from . import calibrate as calib
+    from . import calibration as calib
 
     key = (spec.shape, spec.layers_per_chunk)
     if key not in _CALIBRATIONS:
@@ -135,18 +138,18 @@ def calibration_for(opts: CalibrationOptions, spec):
                 c = c.in_clock(opts.calibration_clock)
             _CALIBRATIONS[key] = c
         else:
+            require(calibrator is not None,
+                    "--calibrate times real layers on this host: run it through tools/simulate.py")
             require(opts.calibrate_ranks >= 1, "--calibrate-ranks must be at least 1")
             reps = opts.calibration_repeats
             if opts.calibrate_ranks > 1:
-                c = calib.calibrate_concurrently(spec.shape, spec.layers_per_chunk, opts.calibrate_ranks, repeats=reps)
+                c = calibrator.calibrate_concurrently(spec.shape, spec.layers_per_chunk, opts.calibrate_ranks, repeats=reps)
             else:
-                c = calib.calibrate(spec.shape, spec.layers_per_chunk, repeats=reps)
+                c = calibrator.calibrate(spec.shape, spec.layers_per_chunk, repeats=reps)
             if opts.measure_host:
                 from dataclasses import replace as _replace
 
-                from .hostprobe import gloo_link
-
-                g = gloo_link()
+                g = calibrator.gloo_link()
                 c = _replace(c, gloo_gbs=g.bandwidth_gbs, gloo_latency_us=g.latency_us,
                              gloo_cpu_s_per_byte=g.cpu_s_per_byte)
             _CALIBRATIONS[key] = c
@@ -160,7 +163,7 @@ def host_cluster(cal: CalibrationOptions, world: int, calibration):
     import os
 
     from .hardware import CPU_HOST, LINKS, Cluster, LinkSpec
-    from .hostprobe import background_tasks
+    from .calibration import background_tasks
 
     cores = cal.host_cores or calibration.host_cores or os.cpu_count() or 1
     background = cal.host_background
@@ -186,12 +189,12 @@ def host_cluster(cal: CalibrationOptions, world: int, calibration):
 _CALIBRATIONS: dict = {}
 
 
-def costs_for(a: SimulatorArgs, spec, cluster):
+def costs_for(a: SimulatorArgs, spec, cluster, calibrator=None):
     """FLOP-based costs from the device preset, or this host's calibration."""
     from .costs import FlopOptions, from_calibration, from_flops
 
     if a.calibrated:
-        return from_calibration(calibration_for(a.cal, spec), spec.layers_per_chunk, recompute=spec.recompute,
+        return from_calibration(calibration_for(a.cal, spec, calibrator), spec.layers_per_chunk, recompute=spec.recompute,
                                 weight_pass=spec.weight_pass)
     lay = spec.layout
     o = FlopOptions(tp=lay.tp, cp=lay.cp, tp_link=cluster.link(0, 0),
@@ -205,7 +208,9 @@ def costs_for(a: SimulatorArgs, spec, cluster):
     return from_flops(spec.shape, cluster.device, spec.layers_per_chunk, o)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, calibrator=None) -> int:
+    """``calibrator``: what measures this host for --calibrate / --measure-host (tools/simulate.py
+    passes tools/host_calibration.py); without it only a saved --calibration can be used."""
     import warnings
 
     from .project import simulate_run
@@ -215,8 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         a, cluster, specs = parse_command(argv)
         if a.calibrated:
-            cluster = host_cluster(a.cal, a.config.world_size, calibration_for(a.cal, specs[0]))
-        results = [simulate_run(spec, cluster, costs_for(a, spec, cluster)) for spec in specs]
+            cluster = host_cluster(a.cal, a.config.world_size, calibration_for(a.cal, specs[0], calibrator))
+        results = [simulate_run(spec, cluster, costs_for(a, spec, cluster, calibrator)) for spec in specs]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from megatron_weipipe.schedules.weipipe.actions import Action, Kind, Schedule
+from megatron_weipipe.schedules.plan.actions import Action, Kind, Schedule
 
 from . import collectives
-from .calibrate import ChunkTimes, HostCalibration
+from .calibration import ChunkTimes, HostCalibration
 from .errors import SimulatorError
 from .hardware import DeviceSpec, LinkSpec
 from megatron_weipipe.shape import ModelShape

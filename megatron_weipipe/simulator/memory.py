@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_weipipe.schedules.weipipe.actions import Flow, Kind, Schedule
+from megatron_weipipe.schedules.plan.actions import Flow, Kind, Schedule
 
 from megatron_weipipe.shape import ModelShape
 

@@ -6,7 +6,7 @@ same lists, so their work shows up as collectives only. After the lists, what
 pretrain() runs per iteration follows, in order:
 - Megatron schedules: DDP's gradient all-reduce over data x context ranks, the
   all-reduce of the tied word-embedding gradient between the first and the last stage;
-- WeiPipe schedules (schedules/weipipe_train): the ring all-reduce of the replicated
+- WeiPipe schedules (schedules/train/weipipe): the ring all-reduce of the replicated
   embedding / final norm / output layer gradients, then DDP's data-parallel all-reduce;
 - then the iteration's flag all-reduce (a barrier), the gradient norm and the
   optimizer step of every rank's own parameters (the slowest rank sets the pace).
@@ -17,125 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_weipipe.schedules.timeline import megatron_timeline
-from megatron_weipipe.schedules.weipipe.actions import Action, Flow, Kind, Schedule
-from megatron_weipipe.schedules.weipipe.generate import SCHEDULES as WEIPIPE_SCHEDULES
-from megatron_weipipe.schedules.weipipe.generate import generate
+from megatron_weipipe.schedules.plan.actions import Flow, Kind, Schedule
 
 from . import collectives, memory
 from .costs import CostModel
-from .errors import SimulatorError, require
 from .events import EventModel, Trace, replay
-from .fpdt import FPDTReport, FPDTSpec, analyse
+from .fpdt import FPDTReport, analyse
 from .hardware import Cluster
-from .layout import Layout
-from megatron_weipipe.shape import ModelShape
+from .run_spec import RunSpec
 
-MEGATRON = ("none", "1f1b", "interleaved")
-SCHEDULE_NAMES = MEGATRON + WEIPIPE_SCHEDULES
 FLAGS_BYTES = 40  # pretrain's per-iteration all-reduce: loss sum, count, bad count, 2 exit flags (fp64)
 NORM_BYTES = 4  # megatron-core's gradient-norm all-reduce (one fp32)
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    shape: ModelShape
-    layout: Layout
-    global_batch_size: int
-    schedule: str
-    virtual_stages: int = 2  # interleaved: model chunks per rank
-    recompute: bool = False  # full activation recomputation
-    compute_bytes: int = 2  # bf16 weights and activations (4 for the fp32 CPU runs)
-    weipipe_grad_bytes: int = 4  # the gradient flow (--weipipe-grad-dtype)
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-    zero3: bool = False  # DeepSpeed ZeRO-3 model state (bf16 weights and grads, fp32 Adam), all sharded
-    attention_impl: str = "flash"
-    dropout: bool = True
-    fpdt: Optional[FPDTSpec] = None
-    lookahead: int = 1
-    weight_pass: str = "stored"  # WeiPipe's split backward: activations freed at I ("stored") or at W
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.shape.micro_batch_size * self.layout.dp)
-
-    @property
-    def is_weipipe(self) -> bool:
-        return self.schedule in WEIPIPE_SCHEDULES
-
-    @property
-    def stages(self) -> int:
-        """Model chunks in the pipeline (P, or P x V for interleaved)."""
-        return self.layout.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
-
-    @property
-    def layers_per_chunk(self) -> int:
-        return self.shape.num_layers // self.stages
-
-    def validate(self) -> "RunSpec":
-        """The training rules of the run this simulates, then what the simulator itself needs."""
-        from megatron_weipipe.arguments import check_config
-
-        from .run_config import spec_to_config
-
-        s, lay = self.shape, self.layout
-        P, L = lay.pp, s.num_layers
-        require(self.schedule in SCHEDULE_NAMES,
-                f"--schedules: {self.schedule!r} is unknown; choose from {', '.join(SCHEDULE_NAMES)}")
-        require(self.global_batch_size > 0, "--global-batch-size must be positive")
-        if self.schedule != "none" and P == 1:
-            raise SimulatorError(f"schedule {self.schedule} needs --pipeline-model-parallel-size >= 2")
-        if self.schedule == "interleaved":
-            V = self.virtual_stages
-            require(V >= 2 and L % (P * V) == 0,
-                    f"interleaved needs --num-layers ({L}) divisible by pipeline size x virtual stages ({P} x {V})")
-        check_config(spec_to_config(self), check_data=False)
-        return self
-
-    def build_schedule(self) -> Schedule:
-        P, N = self.layout.pp, self.num_microbatches
-        if self.is_weipipe:
-            return generate(self.schedule, P, N // P)
-        if self.schedule == "interleaved":
-            return megatron_timeline("interleaved", P, N, self.virtual_stages)
-        return megatron_timeline("1f1b", P, N)
-
-    # ------------------------------------------------------------ sizes
-    def chunk_params(self) -> int:
-        return self.layers_per_chunk * self.shape.layer_params(self.layout.tp)
-
-    def replicated_params(self) -> int:
-        """WeiPipe: embedding, final norm and output layer, on every ring rank."""
-        s, tp = self.shape, self.layout.tp
-        out = s.embedding_params(tp) + s.norm_params()
-        return out + (s.word_embedding_params(tp) if s.untie_embeddings_and_output_weights else 0)
-
-    def rank_params(self, r: int) -> int:
-        """Parameters ring rank / pipeline rank r holds (one TP shard)."""
-        s, tp, P = self.shape, self.layout.tp, self.layout.pp
-        if self.is_weipipe:
-            return self.chunk_params() + self.replicated_params()
-        chunks = self.stages // P
-        out = chunks * self.chunk_params()
-        if r == 0:
-            out += s.embedding_params(tp)
-        if r == P - 1:  # final norm, and the output layer (a second copy of a tied embedding if P > 1)
-            out += s.norm_params()
-            if P > 1 or s.untie_embeddings_and_output_weights:
-                out += s.word_embedding_params(tp)
-        return out
-
-    def activation_message_bytes(self) -> int:
-        s, lay = self.shape, self.layout
-        tokens = s.tokens // lay.cp // (lay.tp if self.sequence_parallel else 1)
-        return tokens * s.hidden_size * self.compute_bytes
-
-    def message_bytes(self, a: Action) -> int:
-        if a.flow in (Flow.ACTIVATIONS, Flow.ACTIVATION_GRADS):
-            return self.activation_message_bytes()
-        per = self.weipipe_grad_bytes if a.flow is Flow.GRADS else self.compute_bytes
-        return self.chunk_params() * per
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from megatron_weipipe.data.datasets import build_data_loader, build_train_valid_
 from megatron_weipipe.data.tokenizers import build_tokenizer
 from megatron_weipipe.initialize import initialize_distributed
 from megatron_weipipe.parallel import ParallelGroups
-from megatron_weipipe.schedules.base import ForwardStep, TrainSchedule
-from megatron_weipipe.schedules.registry import get_schedule
-from megatron_weipipe.shape import padded_vocab_size
 from megatron_weipipe import faults
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.train.base import ForwardStep, TrainSchedule
+from megatron_weipipe.shape import padded_vocab_size
 from megatron_weipipe.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_weipipe.training.metrics import (
     TensorBoardWriter,
@@ -230,7 +230,7 @@ def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provi
     t, groups = cfg.training, ctx.groups
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, groups.tp_size)
-    schedule: TrainSchedule = get_schedule(cfg.schedule_name)(cfg, ctx)
+    schedule: TrainSchedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
     print_rank_0(
         f"> schedule {cfg.schedule_name}: TP={groups.tp_size} PP={groups.pp_size} CP={groups.cp_size} "
         f"DP={groups.dp_size}, {cfg.num_microbatches} microbatches per replica, padded vocab {vocab}"

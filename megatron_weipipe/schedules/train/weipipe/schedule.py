@@ -1,9 +1,10 @@
-"""`--pipeline-schedule weipipe-naive | weipipe-interleave | weipipe-zb` for pretrain().
+"""`--pipeline-schedule weipipe-*` for pretrain(): every WeiPipe variant of the registry.
 
 Ring = the pipeline-model-parallel group (P ranks). Each ring rank trains G =
 num_microbatches / P microbatches of its own per iteration through all P decoder
-chunks, the chunks' weights and gradients circulating (schedules/weipipe/runtime.py).
-After the iteration the owner's summed chunk gradient is copied into megatron-core
+chunks, the chunks' weights and gradients circulating (schedules/runtime/ring.py).
+The variant only decides the action lists (its plan, through the registry); this class
+is the same for all of them. After the iteration the owner's summed chunk gradient is copied into megatron-core
 DDP's main_grad, the replicated parameters' gradients are summed over the ring, and DDP
 finishes the data-parallel reduction, so megatron-core's optimizer (fp32 master,
 clipping, Adam) and checkpointing run unchanged.
@@ -12,76 +13,41 @@ clipping, Adam) and checkpointing run unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
-
 import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from megatron_weipipe.config import ConfigError, PretrainConfig
-from megatron_weipipe.schedules.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.train.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
 
 # Runtime flows -> the kinds the log line's sent/rank/iter shows.
 FLOW_KIND = {"fwd_weights": "weights", "bwd_weights": "weights", "placement": "weights", "grads": "gradients"}
 
 
-class MegatronRNG:
-    """torch's generators plus megatron-core's tensor-parallel tracker: what a
-    recomputed chunk forward must replay to draw the same dropout masks."""
-
-    def __init__(self):
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        from megatron_weipipe.schedules.weipipe.runtime import TorchRNG
-
-        self.torch_rng = TorchRNG()
-        self.tracker = get_cuda_rng_tracker()
-
-    def get_state(self):
-        return self.torch_rng.get_state(), dict(self.tracker.get_states())
-
-    def set_state(self, state) -> None:
-        torch_state, tracker_states = state
-        self.torch_rng.set_state(torch_state)
-        self.tracker.set_states(dict(tracker_states))
-
-
 class WeiPipeSchedule(TrainSchedule):
-    """Common part of the three WeiPipe schedules; subclasses only name their plan."""
+    """Any WeiPipe variant (``self.name``, from the configuration); its start-up rules
+    are plan/rules.py's check_weipipe."""
 
-    name: ClassVar[str]
-
-    @classmethod
-    def check_config(cls, cfg: PretrainConfig) -> None:
-        p, flag = cfg.parallel, f"--pipeline-schedule {cls.name}"
-        P = p.pipeline_model_parallel_size
-        if P < 2:
-            raise ConfigError(f"{flag} needs --pipeline-model-parallel-size >= 2 (the size of the weight ring)")
-        if p.num_layers_per_virtual_pipeline_stage is not None:
-            raise ConfigError(f"{flag} does not take --num-layers-per-virtual-pipeline-stage (one chunk per ring rank)")
-        if cfg.num_microbatches % P != 0:
-            raise ConfigError(
-                f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "
-                f"data-parallel size) = {cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({P})"
-            )
-
-    def __init__(self, cfg: PretrainConfig, groups):
-        super().__init__(cfg, groups)
-        self.P = groups.pp_size
+    def __init__(self, cfg: PretrainConfig, ctx):
+        super().__init__(cfg, ctx)
+        if registry.entry(self.name).family != registry.WEIPIPE:
+            raise ValueError(f"{self.name!r} is not a WeiPipe schedule")
+        self.P = self.groups.pp_size
         self.G = cfg.num_microbatches // self.P
         self.runtime = None
-        self._last_bytes: Optional[dict] = None
 
     # ------------------------------------------------------------------ model
 
     def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
         from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         from megatron_weipipe.model.gpt import compute_dtype
-        from megatron_weipipe.schedules.megatron_schedules import ddp_config
-        from megatron_weipipe.schedules.weipipe import generate, validate
-        from megatron_weipipe.schedules.weipipe.flat import FlatLayout
-        from megatron_weipipe.schedules.weipipe.runtime import WeiPipeRuntime
+        from megatron_weipipe.schedules.plan import generate, validate
+        from megatron_weipipe.schedules.runtime.flat import FlatLayout
+        from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
+        from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
 
         from .ring_model import DecoderChunk, make_ring_replicas, replicated_parameters
         from .steps import GPTEnds
@@ -111,7 +77,8 @@ class WeiPipeSchedule(TrainSchedule):
             grad_dtype=torch.bfloat16 if self.cfg.parallel.weipipe_grad_dtype == "bf16" else torch.float32,
             recompute=self.cfg.model.recompute_granularity == "full",
             comm_scope=lambda flow: self.ctx.bytes.scope(FLOW_KIND[flow.value]),
-            rng=MegatronRNG(),
+            # what a recomputed chunk forward replays to draw the same dropout masks
+            rng=self.ctx.platform.rng_streams(tracker=get_cuda_rng_tracker()),
             # megatron-core's linear layers have no separate weight-gradient kernel: a
             # replayed W pass would run the whole backward (attention too) twice.
             weight_pass="stored",
@@ -142,7 +109,6 @@ class WeiPipeSchedule(TrainSchedule):
                 self._master(), mbs, pre_fn=self.ends.pre_fn, post_fn=self.ends.post_fn,
                 chunk_kwargs=self.ends.chunk_kwargs,
             )
-            self._last_bytes = result.bytes.as_dict()
             self._finish_grads(result.main_grad)
         return StepResult(losses=[mb.reported for mb in mbs], has_loss=True)
 
@@ -182,24 +148,3 @@ class WeiPipeSchedule(TrainSchedule):
                 hidden[i] = functional_call(self.template, views, (x,), self.ends.chunk_kwargs(mb))
         for i, mb in enumerate(mbs):
             self.ends.post_fn(hidden[i], mb)
-
-    def bytes_moved(self) -> Optional[dict[str, int]]:
-        """Bytes the runtime sent in the last training iteration, by kind."""
-        if self._last_bytes is None:
-            return None
-        out: dict[str, int] = {}
-        for flow, n in self._last_bytes["sent"].items():
-            out[FLOW_KIND[flow]] = out.get(FLOW_KIND[flow], 0) + n
-        return out
-
-
-class WeiPipeNaive(WeiPipeSchedule):
-    name = "weipipe-naive"
-
-
-class WeiPipeInterleave(WeiPipeSchedule):
-    name = "weipipe-interleave"
-
-
-class WeiPipeZeroBubble(WeiPipeSchedule):
-    name = "weipipe-zb"

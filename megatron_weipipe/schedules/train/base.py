@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import Callable
 
 import torch
 
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.context import RunContext
+from megatron_weipipe.schedules import registry
 
 # model_provider(pre_process, post_process, vp_stage) -> GPTModel, as in Megatron-LM.
 ModelProvider = Callable[..., torch.nn.Module]
@@ -34,17 +35,18 @@ class TrainSchedule(ABC):
     dicts do not depend on the schedule, so checkpoints move between schedules.
     """
 
-    name: ClassVar[str]
-
     def __init__(self, cfg: PretrainConfig, ctx: RunContext):
         self.cfg = cfg
-        self.ctx = ctx
+        self.ctx = ctx  # process groups, platform, byte counter
         self.groups = ctx.groups
+        self.name = registry.schedule_name(cfg)  # one class may serve several schedules
         self.model_chunks: list[torch.nn.Module] = []
 
     @classmethod
     def check_config(cls, cfg: PretrainConfig) -> None:
-        """Raise ConfigError for flag combinations this schedule cannot run."""
+        """Raise ConfigError for flag combinations the configured schedule cannot run
+        (its pure rules in plan/rules.py, found through the registry)."""
+        registry.check_config(cfg)
 
     @abstractmethod
     def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
@@ -70,4 +72,3 @@ class TrainSchedule(ABC):
     def zero_grad(self) -> None:
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
-

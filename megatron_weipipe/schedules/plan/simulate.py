@@ -1,4 +1,4 @@
-"""Time a schedule from its action lists alone.
+"""Time a schedule from its action lists alone (the tick simulator).
 
 Model (the same for WeiPipe and for the Megatron 1F1B timelines, so bubble fractions
 compare): every rank executes its list in order; a compute action takes its cost
@@ -6,8 +6,13 @@ compare): every rank executes its list in order; a compute action takes its cost
 RECV completes when the matching SEND was issued plus `comm_time` (default 0, i.e.
 transfers hidden). Since WeiPipe lists put each SEND right after the last use of the
 buffer in its tick, a hop leaves when the sender is done with it; that, not a global
-barrier, paces the ring. A cluster simulator can swap in real costs and a bandwidth
-model through the same two arguments.
+barrier, paces the ring.
+
+It is the event core (events.py) with every receive posted up front, no wire time and
+`comm_time` as each message's latency; the cluster simulator (simulator/events.py)
+runs the same core with real costs, links and posting rules. Times are exact for costs
+that are binary fractions (the defaults, unit costs); for others the core's
+remaining-work bookkeeping can differ from a plain running sum in the last bit.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-from .actions import COMPUTE_KINDS, Action, Kind, Schedule
-from .execution import walk
+from .actions import Action, Kind, Schedule
+from .events import ReplayModel, TimedAction, Wire, replay
 
 DEFAULT_COSTS: Mapping[Kind, float] = {
     Kind.FORWARD: 1.0,
@@ -25,13 +30,6 @@ DEFAULT_COSTS: Mapping[Kind, float] = {
     Kind.BACKWARD_WEIGHT: 1.0,
     Kind.LOSS: 0.0,
 }
-
-
-@dataclass(frozen=True)
-class TimedAction:
-    action: Action
-    start: float
-    end: float
 
 
 @dataclass(frozen=True)
@@ -52,23 +50,16 @@ def simulate(
     costs: Mapping[Kind, float] = DEFAULT_COSTS,
     comm_time: Optional[Callable[[Action], float]] = None,
 ) -> Timing:
-    P = schedule.num_ranks
-    clock = [0.0] * P
-    sent_at: dict[int, float] = {}
-    timed: list[list[TimedAction]] = [[] for _ in range(P)]
-    busy = [0.0] * P
+    """Start and end of every action (a RECV starts and ends when its data is there),
+    the makespan and each rank's busy time."""
 
-    def visit(a: Action, matched: Optional[Action]) -> None:
-        start = clock[a.rank]
-        if a.kind is Kind.RECV:
-            start = max(start, sent_at.pop(id(matched)) + (comm_time(matched) if comm_time else 0.0))
-        cost = costs.get(a.kind, 0.0) if a.kind in COMPUTE_KINDS else 0.0
-        end = start + cost
-        if a.kind is Kind.SEND:
-            sent_at[id(a)] = end
-        clock[a.rank] = end
-        busy[a.rank] += cost
-        timed[a.rank].append(TimedAction(a, start, end))
+    def wire(send: Action, src: int, dst: int) -> Wire:
+        return Wire(0, "", 0.0, comm_time(send) if comm_time else 0.0)
 
-    walk(schedule, visit)
-    return Timing(tuple(tuple(t) for t in timed), max(clock) if clock else 0.0, tuple(busy))
+    trace = replay(schedule, ReplayModel(duration=lambda a: costs.get(a.kind, 0.0), wire=wire, lookahead=None))
+    per_rank = tuple(
+        tuple(TimedAction(t.action, t.end, t.end) if t.action.kind is Kind.RECV else t for t in timed)
+        for timed in trace.per_rank
+    )
+    makespan = max((timed[-1].end if timed else 0.0 for timed in per_rank), default=0.0)
+    return Timing(per_rank, makespan, trace.work)

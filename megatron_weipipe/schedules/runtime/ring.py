@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
@@ -39,42 +39,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from .actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
+from megatron_weipipe.byte_counter import ByteCounter
+from megatron_weipipe.platform import detect_platform
+
+from ..plan.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
 from .flat import FlatLayout
-
-
-@dataclass
-class ByteCounter:
-    """Bytes and messages per flow, sent and received by this rank in one iteration."""
-
-    sent: dict = field(default_factory=lambda: defaultdict(int))
-    received: dict = field(default_factory=lambda: defaultdict(int))
-    messages_sent: dict = field(default_factory=lambda: defaultdict(int))
-    messages_received: dict = field(default_factory=lambda: defaultdict(int))
-
-    def count(self, flow: Flow, nbytes: int, *, sent: bool) -> None:
-        if sent:
-            self.sent[flow.value] += nbytes
-            self.messages_sent[flow.value] += 1
-        else:
-            self.received[flow.value] += nbytes
-            self.messages_received[flow.value] += 1
-
-    @property
-    def total_sent(self) -> int:
-        return sum(self.sent.values())
-
-    @property
-    def total_received(self) -> int:
-        return sum(self.received.values())
-
-    def as_dict(self) -> dict:
-        return {"sent": dict(self.sent), "received": dict(self.received),
-                "messages_sent": dict(self.messages_sent), "messages_received": dict(self.messages_received)}
-
-    def summary(self) -> str:
-        parts = [f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(self.sent.items())]
-        return f"sent {self.total_sent / 2**20:.2f} MiB ({', '.join(parts)}); received {self.total_received / 2**20:.2f} MiB"
 
 
 @dataclass
@@ -96,23 +65,6 @@ class _Port(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class TorchRNG:
-    """RNG state that a recomputed forward must replay (dropout masks): torch's CPU
-    generator and, where present, the current CUDA device's. Callers with more RNG
-    streams (e.g. megatron-core's tensor-parallel tracker) pass their own object with
-    the same two methods."""
-
-    def get_state(self):
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-        return torch.get_rng_state(), cuda
-
-    def set_state(self, state) -> None:
-        cpu, cuda = state
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
 
 
 class _WeightSwap:
@@ -177,7 +129,8 @@ class WeiPipeRuntime:
     ):
         """`comm_scope(flow)`, if given, is entered around every isend/irecv of that flow
         (e.g. to attribute bytes in a process-wide counter). `rng` (get_state/set_state)
-        is what a recomputed forward replays; TorchRNG() by default.
+        is what a recomputed forward replays; torch's generators (the platform's
+        ``rng_streams()``) by default.
         `weight_pass` says how a split backward gets its weight gradient: "replay" runs
         a second autograd pass at BACKWARD_WEIGHT over the graph BACKWARD_INPUT kept
         (a true split, but it repeats the input-gradient work of the layers above each
@@ -210,7 +163,7 @@ class WeiPipeRuntime:
         self.lookahead = lookahead
         self.use_tags = use_tags
         self.comm_scope = comm_scope or (lambda flow: contextlib.nullcontext())
-        self.rng = rng if rng is not None else TorchRNG()
+        self.rng = rng if rng is not None else detect_platform().rng_streams()
         self.actions = schedule.actions(self.ring_rank)
         self.post_key = _post_keys(schedule, self.ring_rank)
 
@@ -354,7 +307,7 @@ class _IterationState:
     def _recv(self, i: int, a: Action) -> None:
         work, t = self.posted.pop(i)  # posted at the start of its tick at the latest
         work.wait()
-        self.bytes.count(a.flow, t.numel() * t.element_size(), sent=False)
+        self.bytes.count(a.flow.value, t.numel() * t.element_size(), sent=False)
         self._put(a, t)
 
     def _send(self, i: int, a: Action) -> None:
@@ -364,7 +317,7 @@ class _IterationState:
         with self.rt.comm_scope(a.flow):
             work = dist.isend(t, dst=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
         self.sends.append((work, t))
-        self.bytes.count(a.flow, t.numel() * t.element_size(), sent=True)
+        self.bytes.count(a.flow.value, t.numel() * t.element_size(), sent=True)
 
     # -------------------------------------------------------------- buffers
 

@@ -11,8 +11,8 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_weipipe.config import ConfigError, PretrainConfig
-from megatron_weipipe.schedules.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
+from megatron_weipipe.config import PretrainConfig
+from .base import ForwardStep, ModelProvider, StepResult, TrainSchedule
 
 
 def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
@@ -41,7 +41,11 @@ def wrap_ddp(cfg: PretrainConfig, chunks: list[torch.nn.Module]) -> list[Distrib
     return wrapped
 
 
-class _MegatronSchedule(TrainSchedule):
+class MegatronSchedule(TrainSchedule):
+    """none, 1f1b and interleaved: megatron-core's forward_backward function for the
+    parallel layout (its start-up rules are plan/rules.py's check_no_pipelining,
+    check_1f1b and check_interleaved)."""
+
     def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
         vpp = self.cfg.parallel.virtual_pipeline_size(self.cfg.model.num_layers)
         chunks = []
@@ -96,41 +100,3 @@ class _MegatronSchedule(TrainSchedule):
             )
         has_loss = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         return StepResult(losses=list(losses) if has_loss else [], has_loss=has_loss)
-
-
-class NoPipelining(_MegatronSchedule):
-    name = "none"
-
-    @classmethod
-    def check_config(cls, cfg: PretrainConfig) -> None:
-        if cfg.parallel.pipeline_model_parallel_size != 1:
-            raise ConfigError("--pipeline-schedule none needs --pipeline-model-parallel-size 1")
-
-
-class OneFOneB(_MegatronSchedule):
-    name = "1f1b"
-
-    @classmethod
-    def check_config(cls, cfg: PretrainConfig) -> None:
-        if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
-            raise ConfigError(
-                "--pipeline-schedule 1f1b does not take --num-layers-per-virtual-pipeline-stage; "
-                "use --pipeline-schedule interleaved"
-            )
-
-
-class Interleaved(_MegatronSchedule):
-    name = "interleaved"
-
-    @classmethod
-    def check_config(cls, cfg: PretrainConfig) -> None:
-        if cfg.parallel.num_layers_per_virtual_pipeline_stage is None:
-            raise ConfigError(
-                "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage"
-            )
-        pp = cfg.parallel.pipeline_model_parallel_size
-        if cfg.num_microbatches % pp != 0:
-            raise ConfigError(
-                f"--pipeline-schedule interleaved needs the number of microbatches per replica "
-                f"({cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({pp})"
-            )

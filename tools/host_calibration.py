@@ -12,7 +12,11 @@ Times are CPU seconds (process time), medians of repeats after a warm-up, single
 threaded (torchrun starts each rank with OMP_NUM_THREADS=1): on a shared host they do
 not depend on what else runs. What else runs is recorded as `cpu_share`, the CPU time
 the calibrating process got per wall second; the replay turns it into background load
-(see events.py). gloo's transfer speed is measured elsewhere (hostprobe.py).
+(see events.py). `gloo_link` times gloo send/recv between two processes (TCP on one
+host) and the CPU time they spend per byte, which competes with compute on a host with
+few cores. tools/simulate.py hands this module to the simulator for --calibrate and
+--measure-host; the simulator itself only reads calibrations
+(megatron_weipipe/simulator/calibration.py).
 """
 
 from __future__ import annotations
@@ -20,80 +24,26 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
-from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
+from dataclasses import asdict, replace
 
-from .hostprobe import cpu_jiffies, others_cores
-from megatron_weipipe.shape import ModelShape
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-
-@dataclass(frozen=True)
-class ChunkTimes:
-    """Seconds per microbatch for one chunk of `layers` decoder layers."""
-
-    layers: int
-    forward: float
-    backward: float  # input and weight gradients in one pass
-    backward_input: float  # input gradient only (graph kept)
-    backward_weight: float  # weight gradient pass after backward_input
-
-
-@dataclass(frozen=True)
-class HostCalibration:
-    shape: ModelShape
-    module: ChunkTimes
-    flat: ChunkTimes
-    embed_forward: float
-    embed_backward: float
-    head_forward: float
-    head_backward: float
-    optimizer_per_param: float  # seconds per parameter for norm + clip + Adam step + zeroing
-    repeats: int
-    spread: dict = field(default_factory=dict)  # name -> (max - min) / median over repeats
-    cpu_share: float = 1.0  # CPU seconds / wall seconds of the calibrating process (1: it had a core to itself)
-    others_cores: float = 0.0  # cores other processes kept busy meanwhile, sibling calibrators included (/proc/stat)
-    host_cores: int = 1
-    gloo_gbs: Optional[float] = None  # gloo send/recv between two processes here, when measured
-    gloo_latency_us: Optional[float] = None
-    gloo_cpu_s_per_byte: float = 0.0
-    clock: str = "cpu"  # what the structured fields hold: "cpu" seconds or "wall" seconds
-    ranks: int = 1  # processes that calibrated at the same time (wall times then include their contention)
-    medians: dict = field(default_factory=dict)  # name -> {"cpu": s, "wall": s}
-
-    def in_clock(self, clock: str) -> "HostCalibration":
-        """The same calibration with its times in CPU or in wall seconds."""
-        med = {k: v[clock] for k, v in self.medians.items()}
-        return replace(self, clock=clock, **_fields(med, self.module.layers, self.optimizer_per_param > 0,
-                                                    self.medians.get("params", {}).get(clock, 1.0)))
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "HostCalibration":  # noqa: D102
-        d = json.loads(text)
-        d["shape"] = ModelShape(**d["shape"])
-        d["module"] = ChunkTimes(**d["module"])
-        d["flat"] = ChunkTimes(**d["flat"])
-        return cls(**d)
+from megatron_weipipe.shape import ModelShape  # noqa: E402
+from megatron_weipipe.simulator.calibration import HostCalibration, calibration_fields, load, save  # noqa: E402
+from megatron_weipipe.simulator.hardware import LinkSpec  # noqa: E402
 
 
 def pretrain_config_for(shape: ModelShape, num_layers: int):
     """A PretrainConfig of this shape on one CPU process (fp32, dropout off)."""
     from megatron_weipipe.config import ModelConfig, PretrainConfig, TrainingConfig
 
-    model = ModelConfig(
-        num_layers=num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
-        ffn_hidden_size=shape.ffn_hidden_size, num_query_groups=shape.num_query_groups,
-        group_query_attention=shape.num_query_groups is not None, kv_channels=shape.kv_channels,
-        seq_length=shape.seq_length, max_position_embeddings=shape.max_position_embeddings,
-        position_embedding_type=shape.position_embedding_type, normalization=shape.normalization,
-        swiglu=shape.swiglu, untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
-        add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        make_vocab_size_divisible_by=shape.make_vocab_size_divisible_by, transformer_impl="local",
-    )
+    model = ModelConfig.from_shape(replace(shape, num_layers=num_layers), hidden_dropout=0.0,
+                                   attention_dropout=0.0, transformer_impl="local")
     training = TrainingConfig(micro_batch_size=shape.micro_batch_size, global_batch_size=shape.micro_batch_size)
     return PretrainConfig(model=model, training=training, world_size=1)
 
@@ -133,7 +83,7 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
     import torch
 
     from megatron_weipipe.model.gpt import build_gpt_model
-    from megatron_weipipe.schedules.weipipe.flat import FlatLayout
+    from megatron_weipipe.schedules.runtime.flat import FlatLayout
 
     torch.set_num_threads(threads)
     shape.validate()
@@ -187,19 +137,8 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
     return HostCalibration(
         shape=shape, repeats=repeats, spread=spread, cpu_share=min(1.0, share), others_cores=others,
         host_cores=os.cpu_count() or 1, medians=medians,
-        **_fields(cpu, k, time_optimizer, float(n_params) if time_optimizer else 1.0),
+        **calibration_fields(cpu, k, time_optimizer, float(n_params) if time_optimizer else 1.0),
     )
-
-
-def _fields(med: dict, k: int, optimizer: bool, n_params: float) -> dict:
-    def chunk(name: str) -> ChunkTimes:
-        return ChunkTimes(k, med[f"{name}.forward"], med[f"{name}.backward"], med[f"{name}.backward_input"],
-                          med[f"{name}.backward_weight"])
-
-    return dict(module=chunk("module"), flat=chunk("flat"), embed_forward=med["embed.forward"],
-                embed_backward=med["embed.backward"], head_forward=med["head.forward"],
-                head_backward=med["head.backward"],
-                optimizer_per_param=med["optimizer.step"] / n_params if optimizer else 0.0)
 
 
 def _rounds(probes: dict, repeats: int) -> dict[str, list[float]]:
@@ -312,7 +251,7 @@ def _optimizer_probe(cfg, model):
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    from megatron_weipipe.schedules.megatron_schedules import ddp_config
+    from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
     from megatron_weipipe.training.optimizer import build_optimizer
 
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config(cfg), module=model)
@@ -342,17 +281,6 @@ def _optimizer_probe(cfg, model):
     return probe, sum(p.numel() for p in params)
 
 
-def load(path: str) -> HostCalibration:
-    with open(path) as f:
-        return HostCalibration.from_json(f.read())
-
-
-def save(cal: HostCalibration, path: Optional[str]) -> None:
-    if path:
-        with open(path, "w") as f:
-            f.write(cal.to_json())
-
-
 def calibrate_concurrently(shape: ModelShape, layers_per_chunk: int, ranks: int, *,
                            repeats: int = 5) -> HostCalibration:
     """`ranks` processes calibrate at the same time, as the ranks of a run on this host
@@ -373,7 +301,7 @@ def calibrate_concurrently(shape: ModelShape, layers_per_chunk: int, ranks: int,
             env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(20000 + (os.getpid() * 7 + i) % 20000))
             out = os.path.join(d, f"cal{i}.json")
-            procs.append((subprocess.Popen([sys.executable, "-m", "megatron_weipipe.simulator.calibrate", spec,
+            procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), spec,
                                             str(layers_per_chunk), str(repeats), out], env=env,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out))
         cals = []
@@ -390,6 +318,67 @@ def calibrate_concurrently(shape: ModelShape, layers_per_chunk: int, ranks: int,
                      cpu_share=statistics.mean(c.cpu_share for c in cals),
                      others_cores=statistics.mean(c.others_cores for c in cals))
     return merged.in_clock("cpu")
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole host from /proc/stat ((0, 0) where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def others_cores(before: tuple[int, int], after: tuple[int, int], own_share: float, cores: int) -> float:
+    """Cores other processes kept busy between two /proc/stat readings, own process excluded."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    if total <= 0:
+        return 0.0
+    return max(0.0, busy / total * cores - own_share)
+
+
+
+
+
+_PINGPONG = textwrap.dedent("""
+    import json, sys, time, torch, torch.distributed as dist
+    rank, path, sizes, reps = int(sys.argv[1]), sys.argv[2], [int(v) for v in sys.argv[3].split(",")], int(sys.argv[4])
+    dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+    out, cpu = {}, {}
+    for n in sizes:
+        t = torch.zeros(n // 4)
+        for i in range(reps + 1):
+            if i == 1:
+                dist.barrier(); t0 = time.perf_counter(); c0 = time.process_time()
+            if rank == 0:
+                dist.send(t, 1); dist.recv(t, 1)
+            else:
+                dist.recv(t, 0); dist.send(t, 0)
+        out[n] = (time.perf_counter() - t0) / reps / 2
+        cpu[n] = (time.process_time() - c0) / reps / 2
+    print(json.dumps({"time": out, "cpu": cpu}))
+    dist.destroy_process_group()
+""")
+
+
+def gloo_link(small: int = 1 << 12, large: int = 1 << 24, reps: int = 10) -> LinkSpec:
+    """Latency and bandwidth of one gloo message between two processes on this host."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "store")
+        sizes = f"{small},{large}"
+        procs = [subprocess.Popen([sys.executable, "-c", _PINGPONG, str(r), path, sizes, str(reps)],
+                                  stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                 for r in range(2)]
+        outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+    times = {int(k): v for k, v in outs[0]["time"].items()}
+    t_small, t_large = times[small], times[large]
+    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
+    latency = max(t_small - small / bandwidth, 0.0)
+    # CPU both processes spent per message byte (sender and receiver together)
+    cpu = sum(o["cpu"][str(large)] for o in outs) / large
+    return LinkSpec("gloo-loopback", bandwidth / 1e9, latency * 1e6, cpu_s_per_byte=cpu)
 
 
 if __name__ == "__main__":  # worker of calibrate_concurrently: shape.json layers repeats out.json

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .weipipe.actions import COMPUTE_KINDS, Action, Flow, Kind, Schedule, ScheduleError
-from .weipipe.generate import SCHEDULES as WEIPIPE_SCHEDULES
-from .weipipe.generate import generate
-from .weipipe.simulate import simulate
-
-MEGATRON_SCHEDULES = ("1f1b", "interleaved")
-ALL_SCHEDULES = MEGATRON_SCHEDULES + WEIPIPE_SCHEDULES
+from .. import registry
+from .actions import COMPUTE_KINDS, Action, Flow, Kind, Schedule, ScheduleError
+from .generate import generate
+from .simulate import simulate
 
 
 def _fwd(rank: int, mb: int, stage: int, num_stages: int, P: int) -> list[Action]:
@@ -126,9 +123,10 @@ def _retick(a: Action, tick: int) -> Action:
 
 
 def build(name: str, P: int, G: int, *, N: Optional[int] = None, V: int = 2) -> Schedule:
-    """Any of ALL_SCHEDULES. Megatron schedules default to N = G * P microbatches, the
-    number a WeiPipe ring of P ranks consumes with G per rank."""
-    if name in WEIPIPE_SCHEDULES:
+    """Any schedule of registry.plan_names(). Megatron schedules default to N = G * P
+    microbatches, the number a WeiPipe ring of P ranks consumes with G per rank."""
+    found = registry.find(name)
+    if found is not None and found.family == registry.WEIPIPE:
         return generate(name, P, G)
     return megatron_timeline(name, P, N if N is not None else G * P, V)
 

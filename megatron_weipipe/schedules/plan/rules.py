@@ -1,0 +1,61 @@
+"""Start-up rules of every schedule: flag combinations it cannot run.
+
+Each rule is ``(cfg, name) -> None`` and raises ConfigError with one sentence naming the
+flag. They read only ``cfg.parallel.pipeline_model_parallel_size``,
+``cfg.parallel.num_layers_per_virtual_pipeline_stage`` and ``cfg.num_microbatches`` of a
+PretrainConfig, so the start-up validation and the simulator run them without torch or a
+model (ConfigError is imported only to be raised). registry.py names the rule of each
+schedule; the TrainSchedule classes reach them through registry.check_config.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from megatron_weipipe.config import PretrainConfig
+
+
+def _refuse(message: str) -> NoReturn:
+    from megatron_weipipe.config import ConfigError
+
+    raise ConfigError(message)
+
+
+def check_no_pipelining(cfg: "PretrainConfig", name: str = "none") -> None:
+    if cfg.parallel.pipeline_model_parallel_size != 1:
+        _refuse("--pipeline-schedule none needs --pipeline-model-parallel-size 1")
+
+
+def check_1f1b(cfg: "PretrainConfig", name: str = "1f1b") -> None:
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+        _refuse(
+            "--pipeline-schedule 1f1b does not take --num-layers-per-virtual-pipeline-stage; "
+            "use --pipeline-schedule interleaved"
+        )
+
+
+def check_interleaved(cfg: "PretrainConfig", name: str = "interleaved") -> None:
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage is None:
+        _refuse("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage")
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if cfg.num_microbatches % pp != 0:
+        _refuse(
+            f"--pipeline-schedule interleaved needs the number of microbatches per replica "
+            f"({cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({pp})"
+        )
+
+
+def check_weipipe(cfg: "PretrainConfig", name: str) -> None:
+    """Every WeiPipe variant: a ring of at least 2, one chunk per ring rank, G = N / P."""
+    p, flag = cfg.parallel, f"--pipeline-schedule {name}"
+    P = p.pipeline_model_parallel_size
+    if P < 2:
+        _refuse(f"{flag} needs --pipeline-model-parallel-size >= 2 (the size of the weight ring)")
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        _refuse(f"{flag} does not take --num-layers-per-virtual-pipeline-stage (one chunk per ring rank)")
+    if cfg.num_microbatches % P != 0:
+        _refuse(
+            f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "
+            f"data-parallel size) = {cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({P})"
+        )

@@ -1,0 +1,98 @@
+"""A host calibration: measured seconds of a run's pieces on this machine, as data.
+
+The measuring itself runs real megatron-core layers, so it lives with the tool that calls
+it (tools/host_calibration.py); the simulator only reads what it measured (costs.py) and
+how busy the host was (``background_tasks``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+from megatron_weipipe.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class ChunkTimes:
+    """Seconds per microbatch for one chunk of `layers` decoder layers."""
+
+    layers: int
+    forward: float
+    backward: float  # input and weight gradients in one pass
+    backward_input: float  # input gradient only (graph kept)
+    backward_weight: float  # weight gradient pass after backward_input
+
+
+@dataclass(frozen=True)
+class HostCalibration:
+    shape: ModelShape
+    module: ChunkTimes
+    flat: ChunkTimes
+    embed_forward: float
+    embed_backward: float
+    head_forward: float
+    head_backward: float
+    optimizer_per_param: float  # seconds per parameter for norm + clip + Adam step + zeroing
+    repeats: int
+    spread: dict = field(default_factory=dict)  # name -> (max - min) / median over repeats
+    cpu_share: float = 1.0  # CPU seconds / wall seconds of the calibrating process (1: it had a core to itself)
+    others_cores: float = 0.0  # cores other processes kept busy meanwhile, sibling calibrators included (/proc/stat)
+    host_cores: int = 1
+    gloo_gbs: Optional[float] = None  # gloo send/recv between two processes here, when measured
+    gloo_latency_us: Optional[float] = None
+    gloo_cpu_s_per_byte: float = 0.0
+    clock: str = "cpu"  # what the structured fields hold: "cpu" seconds or "wall" seconds
+    ranks: int = 1  # processes that calibrated at the same time (wall times then include their contention)
+    medians: dict = field(default_factory=dict)  # name -> {"cpu": s, "wall": s}
+
+    def in_clock(self, clock: str) -> "HostCalibration":
+        """The same calibration with its times in CPU or in wall seconds."""
+        med = {k: v[clock] for k, v in self.medians.items()}
+        return replace(self, clock=clock, **calibration_fields(med, self.module.layers, self.optimizer_per_param > 0,
+                                                    self.medians.get("params", {}).get(clock, 1.0)))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HostCalibration":  # noqa: D102
+        d = json.loads(text)
+        d["shape"] = ModelShape(**d["shape"])
+        d["module"] = ChunkTimes(**d["module"])
+        d["flat"] = ChunkTimes(**d["flat"])
+        return cls(**d)
+
+
+def calibration_fields(med: dict, k: int, optimizer: bool, n_params: float) -> dict:
+    def chunk(name: str) -> ChunkTimes:
+        return ChunkTimes(k, med[f"{name}.forward"], med[f"{name}.backward"], med[f"{name}.backward_input"],
+                          med[f"{name}.backward_weight"])
+
+    return dict(module=chunk("module"), flat=chunk("flat"), embed_forward=med["embed.forward"],
+                embed_backward=med["embed.backward"], head_forward=med["head.forward"],
+                head_backward=med["head.backward"],
+                optimizer_per_param=med["optimizer.step"] / n_params if optimizer else 0.0)
+
+
+def load(path: str) -> HostCalibration:
+    with open(path) as f:
+        return HostCalibration.from_json(f.read())
+
+
+def save(cal: HostCalibration, path: Optional[str]) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(cal.to_json())
+
+
+def background_tasks(cpu_share: float, others: float, cores: int, processes: int = 1) -> float:
+    """CPU-bound tasks competing with the ranks (fair sharing: each of N runnable tasks gets
+    cores / N), from what `processes` calibrating processes saw: each got `cpu_share` of a
+    core and saw `others` cores busy besides itself (its sibling calibrators included).
+    If they got less than a full core the host was saturated: N = cores / share, of which
+    N - processes were others; otherwise the others' measured use is the count."""
+    if cpu_share < 0.97:
+        return max(0.0, cores / cpu_share - processes)
+    return max(0.0, others - (processes - 1) * cpu_share)

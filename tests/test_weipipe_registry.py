@@ -1,0 +1,109 @@
+"""schedules/registry.py declares every schedule once: it and the plan layer import
+without torch, the start-up rules run on a bare configuration, every other list of
+names derives from it, and each name leads to its training class."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_weipipe.schedules import registry
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfg(pp=1, vpp=None, microbatches=4, schedule=None):
+    """The attributes the rules read, without building a PretrainConfig."""
+    parallel = SimpleNamespace(pipeline_model_parallel_size=pp, num_layers_per_virtual_pipeline_stage=vpp,
+                               pipeline_schedule=schedule)
+    return SimpleNamespace(parallel=parallel, num_microbatches=microbatches)
+
+
+def test_registry_plan_and_rules_import_without_torch():
+    code = (
+        "import sys\n"
+        "from types import SimpleNamespace as N\n"
+        "from megatron_weipipe.schedules import registry\n"
+        "import megatron_weipipe.schedules.plan, megatron_weipipe.schedules.plan.rules\n"
+        "from megatron_weipipe.schedules.plan import build, validate, simulate\n"
+        "for name in registry.plan_names():\n"
+        "    validate(build(name, 2, 2)); simulate(build(name, 2, 2))\n"
+        "for pp, vpp, name in [(1, None, None), (2, None, None), (2, 1, None), (2, None, 'weipipe-zb')]:\n"
+        "    registry.check_config(N(parallel=N(pipeline_model_parallel_size=pp,\n"
+        "        num_layers_per_virtual_pipeline_stage=vpp, pipeline_schedule=name), num_microbatches=4))\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy'))\n"
+        "assert not heavy, heavy[:5]\n"
+        "assert 'megatron_weipipe.config' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_names_are_declared_once_and_derived_everywhere():
+    assert registry.names() == ("none", "1f1b", "interleaved", "weipipe-naive", "weipipe-interleave", "weipipe-zb")
+    assert registry.megatron_names() == ("none", "1f1b", "interleaved")
+    assert registry.weipipe_names() == ("weipipe-naive", "weipipe-interleave", "weipipe-zb")
+    assert registry.plan_names() == registry.names()[1:]
+    for name in registry.names():
+        e = registry.entry(name)
+        assert e.name == name and e.family in (registry.MEGATRON, registry.WEIPIPE)
+
+
+def test_default_schedule_name():
+    assert registry.default_schedule_name(_cfg(pp=1)) == "none"
+    assert registry.default_schedule_name(_cfg(pp=2)) == "1f1b"
+    assert registry.default_schedule_name(_cfg(pp=2, vpp=1)) == "interleaved"
+    assert registry.schedule_name(_cfg(pp=2, schedule="weipipe-zb")) == "weipipe-zb"
+
+
+RULES = [
+    (_cfg(pp=2, schedule="none"), "--pipeline-schedule none needs --pipeline-model-parallel-size 1"),
+    (_cfg(pp=2, vpp=1, schedule="1f1b"),
+     "--pipeline-schedule 1f1b does not take --num-layers-per-virtual-pipeline-stage; use --pipeline-schedule "
+     "interleaved"),
+    (_cfg(pp=2, schedule="interleaved"),
+     "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage"),
+    (_cfg(pp=4, vpp=1, microbatches=6, schedule="interleaved"),
+     "--pipeline-schedule interleaved needs the number of microbatches per replica (6) to be a multiple of "
+     "--pipeline-model-parallel-size (4)"),
+    (_cfg(pp=1, schedule="weipipe-zb"),
+     "--pipeline-schedule weipipe-zb needs --pipeline-model-parallel-size >= 2 (the size of the weight ring)"),
+    (_cfg(pp=2, vpp=1, schedule="weipipe-naive"),
+     "--pipeline-schedule weipipe-naive does not take --num-layers-per-virtual-pipeline-stage (one chunk per "
+     "ring rank)"),
+    (_cfg(pp=2, microbatches=3, schedule="weipipe-interleave"),
+     "--pipeline-schedule weipipe-interleave needs the number of microbatches per replica (--global-batch-size / "
+     "(--micro-batch-size x data-parallel size) = 3) to be a multiple of --pipeline-model-parallel-size (2)"),
+    (_cfg(schedule="zigzag"),
+     "--pipeline-schedule 'zigzag' is unknown; choose one of: 1f1b, interleaved, none, weipipe-interleave, "
+     "weipipe-naive, weipipe-zb"),
+]
+
+
+@pytest.mark.parametrize("cfg,message", RULES)
+def test_rules_refuse_with_their_sentence(cfg, message):
+    from megatron_weipipe.config import ConfigError
+
+    with pytest.raises(ConfigError) as got:
+        registry.check_config(cfg)
+    assert str(got.value) == message
+
+
+def test_each_name_leads_to_its_training_class_and_rules():
+    from megatron_weipipe.config import ConfigError
+    from megatron_weipipe.schedules.train.base import TrainSchedule
+
+    # PP=1 without virtual stages: only none and 1f1b can run it
+    refused_at_pp1 = {"interleaved", *registry.weipipe_names()}
+    for name in registry.names():
+        cls = registry.train_class(name)
+        assert issubclass(cls, TrainSchedule)
+        try:
+            cls.check_config(_cfg(pp=1, schedule=name))  # the class points at the registry's rules
+            refused = False
+        except ConfigError:
+            refused = True
+        assert refused == (name in refused_at_pp1), name
