@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_weipipe.testing import run_distributed  # noqa: E402
+from harness import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "weipipe-interleave", "weipipe-zb")
 

@@ -7,8 +7,8 @@ import contextlib
 import io
 
 from megatron_weipipe.schedules.registry import weipipe_names
-from megatron_weipipe.testing.runs import tiny_gpt_args
-from megatron_weipipe.testing.state import assemble, max_relative_difference
+from harness.runs import tiny_gpt_args
+from harness.state import assemble, max_relative_difference
 
 WEIPIPE = weipipe_names()
 RTOL = 1e-5
@@ -27,7 +27,7 @@ def train(rank: int, world_size: int, args: list[str]) -> dict:
 
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.model.gpt_step import forward_step
-    from megatron_weipipe.testing.state import local_shards
+    from harness.state import local_shards
     from megatron_weipipe.training.pretrain import pretrain
 
     cfg = parse_config(args, world_size=world_size)

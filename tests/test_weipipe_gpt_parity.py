@@ -18,8 +18,8 @@ import pytest
 
 from megatron_weipipe.schedules.plan.actions import Flow
 from megatron_weipipe.schedules.plan.metrics import expected_messages
-from megatron_weipipe.testing import run_distributed
-from megatron_weipipe.testing.state import max_relative_difference
+from harness import run_distributed
+from harness.state import max_relative_difference
 from megatron_weipipe.training.metrics import format_bytes
 
 from test_weipipe_gpt_common import RTOL, WEIPIPE, argv, assert_matches, merge, train_many

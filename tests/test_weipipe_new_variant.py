@@ -102,7 +102,7 @@ def _train_with_variant(rank: int, world_size: int, argvs: list[list[str]]) -> l
 def test_variant_trains_gpt_like_the_reference():
     """pretrain_gpt's model under the new variant (ring of 2, G = 2, recomputation) equals
     the single-process run: losses, reduced gradients, parameters after 3 Adam steps."""
-    from megatron_weipipe.testing import run_distributed
+    from harness import run_distributed
 
     from test_weipipe_gpt_common import argv, assert_matches, merge, train_many
 

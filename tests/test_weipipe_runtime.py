@@ -17,7 +17,7 @@ from megatron_weipipe.schedules.plan.metrics import expected_messages
 from megatron_weipipe.schedules.registry import weipipe_names
 from megatron_weipipe.schedules.runtime.flat import FlatLayout
 from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
-from megatron_weipipe.testing import run_distributed
+from harness import run_distributed
 
 VOCAB, HIDDEN, SEQ, BATCH, LAYERS_PER_CHUNK = 13, 8, 5, 2, 2
 STEPS, LR = 3, 0.05

@@ -1,0 +1,86 @@
+"""Flags generated from the typed configs: Megatron's names kept, values round-trip, the
+README's table is the generated one, and the simulator takes the same flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+import pytest
+from flags_table import flags_table  # tools/flags_table.py
+from harness.runs import REPO_ROOT, tiny_gpt_args
+
+from megatron_weipipe.arguments import SECTIONS, build_parser, parse_config
+from megatron_weipipe.flags import to_flags
+
+# Every flag of the hand-written parser this generated one replaced.
+MEGATRON_FLAGS = """
+--num-layers --hidden-size --num-attention-heads --ffn-hidden-size --group-query-attention --num-query-groups
+--kv-channels --seq-length --max-position-embeddings --position-embedding-type --rotary-base --rotary-percent
+--normalization --norm-epsilon --swiglu --untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias
+--hidden-dropout --attention-dropout --init-method-std --make-vocab-size-divisible-by --transformer-impl
+--recompute-granularity --recompute-method --recompute-num-layers --no-layout-invariant-init
+--tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
+--context-parallel-size --pipeline-schedule --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce
+--distributed-backend --distributed-timeout-minutes --weipipe-grad-dtype --fpdt --fpdt-chunk-size --fpdt-offload
+--micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-decay-style --lr-warmup-iters
+--lr-warmup-fraction --lr-decay-iters --weight-decay --clip-grad --optimizer --adam-beta1 --adam-beta2 --adam-eps
+--sgd-momentum --bf16 --fp16 --seed --eval-interval --eval-iters --skip-train --exit-interval
+--exit-duration-in-mins --exit-signal-handler --no-check-for-nan-in-loss-and-grad --skip-nan-steps
+--deterministic-mode --data-path --split --mock-data --data-cache-path --num-workers --reset-position-ids
+--reset-attention-mask --eod-mask-loss --tokenizer-type --tokenizer-model --vocab-size --save --load
+--save-interval --no-load-optim --no-load-rng --finetune --ckpt-format --log-interval --tensorboard-dir
+--log-throughput --timing-log-level
+""".split()
+
+
+def _option_strings(parser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
+
+
+def test_every_megatron_flag_is_generated_once():
+    generated = _option_strings(build_parser())
+    assert set(MEGATRON_FLAGS) == generated
+    assert len(MEGATRON_FLAGS) == len(set(MEGATRON_FLAGS))
+
+
+def test_inverted_and_renamed_switches():
+    cfg = parse_config(tiny_gpt_args(**{"disable-bias-linear": True, "no-layout-invariant-init": True,
+                                        "deterministic-mode": True, "no-check-for-nan-in-loss-and-grad": True}))
+    assert cfg.model.add_bias_linear is False and cfg.model.layout_invariant_init is False
+    assert cfg.training.deterministic is True and cfg.training.check_for_nan_in_loss_and_grad is False
+    plain = parse_config(tiny_gpt_args())
+    assert plain.model.add_bias_linear is True and plain.model.layout_invariant_init is True
+
+
+def test_config_round_trips_through_its_flags(tmp_path):
+    argv = tiny_gpt_args(swiglu=True, normalization="RMSNorm", **{"disable-bias-linear": True, "bf16": True,
+                         "num-query-groups": 2, "group-query-attention": True, "save": str(tmp_path),
+                         "save-interval": 2, "fpdt": True, "fpdt-chunk-size": 16, "context-parallel-size": 2,
+                         "hidden-dropout": 0.0, "attention-dropout": 0.0})
+    first = parse_config(argv, world_size=2)
+    again = []
+    for section, _, _ in SECTIONS:
+        again += to_flags(getattr(first, section))
+    second = parse_config(again, world_size=2)
+    assert asdict(second) == asdict(first)
+
+
+def test_validation_does_not_change_what_it_checks():
+    cfg = parse_config(tiny_gpt_args())
+    before = asdict(cfg)
+    cfg.validate()
+    assert asdict(cfg) == before
+
+
+def test_readme_table_is_the_generated_one():
+    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
+    assert flags_table() in readme, "README.md's flag table is stale: paste `python tools/flags_table.py`"
+
+
+@pytest.mark.parametrize("flag", ["--bf16", "--recompute-method", "--num-layers-per-virtual-pipeline-stage",
+                                  "--data-path", "--fpdt-chunk-size"])
+def test_the_simulator_takes_pretrain_flags(flag):
+    from megatron_weipipe.simulator.cli import build_parser as simulator_parser
+
+    assert flag in _option_strings(simulator_parser())
