@@ -75,11 +75,6 @@ class ByteCounter:
         return {"sent": dict(self.sent), "received": dict(self.received),
                 "messages_sent": dict(self.messages_sent), "messages_received": dict(self.messages_received)}
 
-    def summary(self) -> str:
-        parts = [f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(self.sent.items())]
-        return (f"sent {self.total_sent / 2**20:.2f} MiB ({', '.join(parts)}); "
-                f"received {self.total_received / 2**20:.2f} MiB")
-
     # -- hooks ------------------------------------------------------------------------
     def install(self) -> None:
         """Wrap torch.distributed's p2p and collective calls. Idempotent."""

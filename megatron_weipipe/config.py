@@ -9,7 +9,7 @@ sentence instead of hanging in a collective later.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from megatron_weipipe.data.config import DataConfig
@@ -218,9 +218,6 @@ class LoggingConfig:
         require(self.log_interval > 0, "--log-interval must be positive")
 
 
-SECTIONS = ("model", "parallel", "training", "data", "checkpoint", "logging", "fpdt")
-
-
 @dataclass
 class PretrainConfig:
     """The whole run; one object handed to every part of the framework.
@@ -328,6 +325,3 @@ class PretrainConfig:
                     "--sequence-parallel cannot be combined with --context-parallel-size > 1 or --fpdt")
         if self.fpdt.enabled:
             self.fpdt.validate(m.seq_length, p.context_parallel_size)
-
-    def to_dict(self) -> dict:
-        return asdict(self)

@@ -160,3 +160,24 @@ def test_cuda_is_probed_only_by_the_platform():
     bad = [m for m, p in MODULES.items() if "torch.cuda.is_available" in open(p).read()
            and m != f"{PACKAGE}.platform"]
     assert not bad, f"device rules belong in platform.py: {bad}"
+
+
+def test_configuration_and_simulator_import_no_torch():
+    """The flags, their rules and the projection are plain Python: a laptop without torch
+    (or a login node) can check a launch command and project it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from megatron_weipipe.arguments import build_parser\n"
+        "from megatron_weipipe.simulator.cli import costs_for, parse_command\n"
+        "from megatron_weipipe.simulator.project import simulate_run\n"
+        "a, c, specs = parse_command('--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 1024 "
+        "--global-batch-size 8 --pipeline-model-parallel-size 2 --bf16'.split())\n"
+        "[simulate_run(s, c, costs_for(a, s, c)) for s in specs]\n"
+        "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

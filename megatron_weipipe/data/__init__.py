@@ -4,7 +4,7 @@ Names are loaded on first use, so that reading the data flags (``data.config``) 
 neither torch nor megatron-core.
 """
 
-import importlib
+from megatron_weipipe.lazy import lazy_exports
 
 _EXPORTS = {
     "DataConfig": "config",
@@ -24,10 +24,4 @@ _EXPORTS = {
     "build_tokenizer": "tokenizers",
 }
 
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -307,38 +307,20 @@ def fpdt_attention(
     pool: HostBufferPool | None = None,
     stats: OffloadStats | None = None,
     counter: CommCounter | None = None,
+    num_chunks: int | None = None,
 ) -> torch.Tensor:
     """FPDT self-attention of this rank's tokens ([s_local, b, hidden], FPDT layout).
 
     Returns [s_local, b, hidden], summed over ``tp_group``, with ``proj_bias`` added when
     given (pass None and add it yourself for Megatron's skip-bias-add). ``pool`` keeps
-    host buffers across calls (one per layer).
+    host buffers across calls (one per layer). ``num_chunks`` is what ``config.validate``
+    returned, from callers that checked ``spec`` and ``config`` once up front (the model
+    does at start-up); None checks them here.
     """
     P = group_size(cp_group)
-    spec.validate(P)
-    u = config.validate(hidden_states.shape[0] * P, P)
-    return fpdt_attention_checked(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, spec, config, u,
-                                  cp_group, tp_group, pool=pool, stats=stats, counter=counter)
-
-
-def fpdt_attention_checked(
-    hidden_states: torch.Tensor,
-    qkv_weight: torch.Tensor,
-    qkv_bias: torch.Tensor | None,
-    proj_weight: torch.Tensor,
-    proj_bias: torch.Tensor | None,
-    spec: AttentionSpec,
-    config: FPDTConfig,
-    num_chunks: int,
-    cp_group=None,
-    tp_group=None,
-    *,
-    pool: HostBufferPool | None = None,
-    stats: OffloadStats | None = None,
-    counter: CommCounter | None = None,
-) -> torch.Tensor:
-    """``fpdt_attention`` for callers that validated ``spec`` and ``config`` once up front
-    (the model checks them at start-up); ``num_chunks`` is what ``config.validate`` returned."""
+    if num_chunks is None:
+        spec.validate(P)
+        num_chunks = config.validate(hidden_states.shape[0] * P, P)
     u = num_chunks
     _check_shapes(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, spec)
     kernel = select_kernel(config.kernel, hidden_states.device, hidden_states.dtype, spec.head_dim)

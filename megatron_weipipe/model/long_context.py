@@ -25,10 +25,10 @@ from megatron_weipipe.fpdt import (
     attention_spec_from_megatron,
     chunked_cross_entropy,
     chunked_mlp,
+    fpdt_attention,
     shard_batch,
     ulysses_attention,
 )
-from megatron_weipipe.fpdt.attention import fpdt_attention_checked
 from megatron_weipipe.fpdt.offload import HostBufferPool, OffloadStats
 
 
@@ -114,10 +114,10 @@ def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfi
             else:
                 if settings.fpdt.offload and self.pool is None:
                     self.pool = HostBufferPool(pin_memory=hidden_states.is_cuda)
-                out = fpdt_attention_checked(
+                out = fpdt_attention(
                     hidden_states, self.linear_qkv.weight, qkv_bias, self.linear_proj.weight, None,
-                    self.spec, settings.fpdt, settings.num_chunks, settings.cp_group, settings.tp_group,
-                    pool=self.pool, stats=self.offload_stats,
+                    self.spec, settings.fpdt, settings.cp_group, settings.tp_group,
+                    pool=self.pool, stats=self.offload_stats, num_chunks=settings.num_chunks,
                 )
             return out, self.linear_proj.bias
 
