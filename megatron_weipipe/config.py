@@ -120,6 +120,10 @@ class ParallelConfig:
     weipipe_grad_dtype: str = option("fp32", choices=("fp32", "bf16"),
                                      help="dtype of WeiPipe's circulating gradients")
 
+    def validate(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+
     def virtual_pipeline_size(self, num_layers: int) -> Optional[int]:
         if self.num_layers_per_virtual_pipeline_stage is None:
             return None
@@ -276,8 +280,7 @@ class PretrainConfig:
         t.validate()
         self.checkpoint.validate()
         self.logging.validate()
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            require(getattr(p, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        p.validate()
         require(self.world_size % p.model_parallel_size == 0,
                 f"world size ({self.world_size}) must be divisible by tensor x pipeline x context "
                 f"parallel size ({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "

@@ -59,10 +59,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimulatorArgs:
     sim, hw, cal, out = (from_args(args, cls, prefix) for prefix, cls, _ in OPTION_GROUPS)
     cfg = config_from_args(args, world_size=1)
     p = cfg.parallel
-    for flag, v in (("--tensor-model-parallel-size", p.tensor_model_parallel_size),
-                    ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-                    ("--context-parallel-size", p.context_parallel_size)):
-        require(v >= 1, f"{flag} must be at least 1")
+    p.validate()  # the sizes the world size is computed from
     world = sim.num_gpus or p.model_parallel_size
     require(world % p.model_parallel_size == 0,
             f"--num-gpus ({world}) must be divisible by tensor x pipeline x context parallel size "
