@@ -18,6 +18,7 @@ from megatron_weipipe.flags import option
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.shape import ModelShape, ffn_hidden_size
 
+
 @dataclass
 class ModelConfig:
     num_layers: int = option(2, required=True, help="number of transformer layers")
@@ -260,9 +261,9 @@ class PretrainConfig:
     def with_derived_defaults(self, schedule_name: str) -> "PretrainConfig":
         """A copy with every default that depends on other values filled in: the global
         batch, the schedule, and the data's sequence length and seed."""
-        t = self.training
+        t, mp = self.training, self.parallel.model_parallel_size
         gbs = t.global_batch_size
-        if gbs is None and self.world_size % self.parallel.model_parallel_size == 0:
+        if gbs is None and mp > 0 and self.world_size % mp == 0:
             gbs = t.micro_batch_size * self.data_parallel_size
         return replace(
             self,
