@@ -31,8 +31,9 @@ def _layers(P: int) -> int:
     return 2 * P
 
 
-def _weipipe_args(name: str, P: int, G: int, dp: int = 1, **extra) -> list[str]:
-    recompute = dict(recompute_granularity="full", recompute_method="uniform") if G == 2 else {}
+def _weipipe_args(name: str, P: int, G: int, dp: int = 1, recompute: bool = None, **extra) -> list[str]:
+    recompute = G == 2 if recompute is None else recompute
+    recompute = dict(recompute_granularity="full", recompute_method="uniform") if recompute else {}
     return argv(num_layers=_layers(P), global_batch_size=MICRO * G * P * dp, pipeline_model_parallel_size=P,
                 pipeline_schedule=name, log_interval=1, **recompute, **extra)
 
@@ -47,7 +48,11 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
 
 
 def _ring_configs(P: int) -> dict:
-    return {(name, P, G): _weipipe_args(name, P, G) for name in WEIPIPE for G in (1, 2, 3)}
+    configs = {(name, P, G): _weipipe_args(name, P, G) for name in WEIPIPE for G in (1, 2, 3)}
+    # weipipe-zb (deferred weight GEMMs) also the other way round: recompute iff G != 2.
+    configs.update({("weipipe-zb", P, G, "flip"): _weipipe_args("weipipe-zb", P, G, recompute=G != 2)
+                    for G in (1, 2, 3)})
+    return configs
 
 
 EXTRA_WORLD4 = {
@@ -55,6 +60,9 @@ EXTRA_WORLD4 = {
                                       make_vocab_size_divisible_by=256), _reference_key(2, 2)),
     "dp2-ring2-interleave-G2": (_weipipe_args("weipipe-interleave", 2, 2, dp=2), _reference_key(2, 2, dp=2)),
     "dp2-ring2-naive-G1": (_weipipe_args("weipipe-naive", 2, 1, dp=2), _reference_key(2, 1, dp=2)),
+    "tp2-ring2-zb-G1": (_weipipe_args("weipipe-zb", 2, 1, tensor_model_parallel_size=2,
+                                      make_vocab_size_divisible_by=256), _reference_key(2, 1)),
+    "dp2-ring2-zb-G1": (_weipipe_args("weipipe-zb", 2, 1, dp=2), _reference_key(2, 1, dp=2)),
 }
 # The distributed optimizer reduce-scatters: each DP rank holds a gradient shard only,
 # so losses and parameters are compared.
@@ -116,6 +124,36 @@ def test_weipipe_gpt_matches_reference(name, P, G):
     reference = _references()[_reference_key(P, G)]
     assert len(run["losses"]) == 3
     assert_matches(run, reference, f"{name} P={P} G={G}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("G", [1, 2, 3])
+def test_weipipe_zb_other_recompute_matches_reference(P, G):
+    run = _world(P)[("weipipe-zb", P, G, "flip")]
+    assert_matches(run, _references()[_reference_key(P, G)], f"weipipe-zb P={P} G={G} recompute={G != 2}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_zb_defers_every_linear_weight_gemm(P):
+    """weipipe-zb runs the weight GEMMs of QKV, projection, FC1 and FC2 (4 per layer) at W,
+    every (microbatch, chunk) of every iteration, with and without recomputation, and
+    holds their inputs meanwhile; the other variants defer nothing."""
+    for G in (1, 2, 3):
+        for key in (("weipipe-zb", P, G), ("weipipe-zb", P, G, "flip")):
+            for per_iter in _world(P)[key]["wgrad"]:
+                assert len(per_iter) == 3, key
+                for deferred, peak, deferrable in per_iter.values():
+                    assert deferrable == 4 * 2, key  # 2 layers per chunk
+                    assert deferred == deferrable * G * P, (key, deferred)
+                    assert peak > 0, key
+        for name in ("weipipe-interleave", "weipipe-naive"):
+            for per_iter in _world(P)[(name, P, G)]["wgrad"]:
+                assert all(d == 0 and b == 0 for d, b, _ in per_iter.values()), name
+    for layout, G in (("tp2-ring2-zb-G1", 1), ("dp2-ring2-zb-G1", 1), ("tp2-ring2-zb-G2", 2)):
+        for per_iter in _world(4)[layout]["wgrad"]:
+            assert all(d == 8 * G * 2 for d, _, _ in per_iter.values()), layout
 
 
 @pytest.mark.distributed
