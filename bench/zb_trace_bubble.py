@@ -57,7 +57,8 @@ def run_one(schedule: str, G: int, args, port: int) -> dict:
         m = measured.measure(measured.load(trace_dir))
         _, at_costs, unit = planned_from_trace(m)
         return {"measured": m.measured_bubble, "planned": at_costs.bubble_fraction, "unit": unit.bubble_fraction,
-                "iter_s": statistics.mean(m.iteration_s), "costs": m.mean_cost_s}
+                "iter_s": statistics.mean(m.iteration_s), "costs": m.mean_cost_s,
+                "wgrad_peak_bytes": max(t.meta.get("wgrad_peak_bytes", 0) for t in measured.load(trace_dir))}
 
 
 def main() -> int:
@@ -96,6 +97,9 @@ def main() -> int:
                   f"| {100 * med(x['measured'] for x in rs):.1f}% | {med(x['iter_s'] for x in rs):.3f} "
                   f"| {costs['forward']:.1f} / {costs['backward_input']:.1f} / {costs['backward_weight']:.1f} / "
                   f"{costs['backward']:.1f} |")
+    peak = max(x["wgrad_peak_bytes"] for (s, _, _), x in results.items() if s == "weipipe-zb")
+    print(f"\nmost bytes the deferred weight gradients of weipipe-zb kept at once on a rank: {peak} "
+          f"({peak / 2**20:.2f} MiB)")
     print("\n| G | zb / interleave iteration time (median of per-round ratios) |")
     print("|---|---|")
     for G in args.Gs:

@@ -11,7 +11,9 @@ spawned run per world size covers all its configurations.
 from __future__ import annotations
 
 import functools
+import os
 import re
+import tempfile
 
 import numpy as np
 import pytest
@@ -82,9 +84,14 @@ def _references() -> dict:
     return {k: merge(per_rank, i) for i, k in enumerate(keys)}
 
 
+# Two runs also write per-action traces (--schedule-trace): tests/test_schedule_trace.py's
+# end-to-end checks read them, sharing the runs.
+TRACE_DIR = tempfile.mkdtemp(prefix="weipipe_trace_")
+TRACES = {"llama-zb-G3": os.path.join(TRACE_DIR, "zb"), "fp32-1f1b": os.path.join(TRACE_DIR, "1f1b")}
 EXTRA_WORLD2 = {
     "llama-interleave-G2": (_weipipe_args("weipipe-interleave", 2, 2, **LLAMA), _reference_key(2, 2, **LLAMA)),
-    "llama-zb-G3": (_weipipe_args("weipipe-zb", 2, 3, **LLAMA), _reference_key(2, 3, **LLAMA)),
+    "llama-zb-G3": (_weipipe_args("weipipe-zb", 2, 3, schedule_trace=TRACES["llama-zb-G3"], **LLAMA),
+                    _reference_key(2, 3, **LLAMA)),
 }
 # Dropout on: recomputation must replay the forward's RNG (same masks), so with and
 # without it the run is the same.
@@ -98,7 +105,7 @@ DROPOUT_WORLD2 = {
 BF16_WORLD2 = {
     "bf16-zb": argv(pipeline_model_parallel_size=2, pipeline_schedule="weipipe-zb", bf16=True, train_iters=5,
                     weipipe_grad_dtype="bf16", **LLAMA),
-    "fp32-1f1b": argv(pipeline_model_parallel_size=2, train_iters=5, **LLAMA),
+    "fp32-1f1b": argv(pipeline_model_parallel_size=2, train_iters=5, schedule_trace=TRACES["fp32-1f1b"], **LLAMA),
 }
 
 
@@ -239,3 +246,42 @@ def test_bf16_with_bf16_gradient_messages_tracks_float32():
     got = wp["sent"][0][1]
     want = _expected_sent("weipipe-zb", 2, 2, 0, numel, weight_bytes=2, grad_bytes=2)
     assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.distributed
+def test_schedule_trace_has_every_action_of_the_plan():
+    """--schedule-trace: per rank and iteration, one event per action of the rank's list
+    (weipipe-zb P=2 G=3), one forward and one backward per microbatch for 1F1B, the
+    optimizer step outside the iteration; the tool measures both."""
+    import json
+    import subprocess
+    import sys
+    from collections import Counter
+
+    from megatron_weipipe.schedules.plan import generate
+    from megatron_weipipe.schedules.plan.measured import load, measure
+
+    _world(2)  # the runs that write the traces
+    plan = generate("weipipe-zb", 2, 3)
+    for t in load(TRACES["llama-zb-G3"]):
+        want = Counter(a.kind.value for a in plan.actions(t.meta["pipeline_rank"]))
+        for it in (1, 2, 3):
+            got = Counter(e["name"] for e in t.events if e["args"]["iteration"] == it
+                          and e["cat"] not in ("iteration", "optimizer"))
+            assert got == want, (t.rank, it, got, want)
+        assert sum(e["cat"] == "optimizer" for e in t.events) == 3
+    for t in load(TRACES["fp32-1f1b"]):
+        for it in range(1, 6):
+            got = Counter(e["name"] for e in t.events if e["args"]["iteration"] == it and e["cat"] == "compute")
+            assert got == {"forward": 4, "backward": 4}, (t.rank, it, got)
+    for name, d in TRACES.items():
+        m = measure(load(d))
+        assert 0 < m.measured_bubble < 1 and all(r.busy_s > 0 and r.idle_s > 0 for r in m.ranks), name
+        proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), os.pardir, "tools",
+                                                            "schedule_timeline.py"), "--from-trace", d, "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["measured_bubble"] == pytest.approx(m.measured_bubble)
+        assert [r["busy_s"] for r in out["ranks"]] == pytest.approx([r.busy_s for r in m.ranks])
+        assert 0 < out["planned_bubble"] < 1, name

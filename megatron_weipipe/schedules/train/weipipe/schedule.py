@@ -114,6 +114,9 @@ class WeiPipeSchedule(TrainSchedule):
                     chunk_kwargs=self.ends.chunk_kwargs,
                 )
                 self._finish_grads(result.main_grad)
+                if self.tracer is not None:  # in the trace file's otherData (written as the span ends)
+                    meta = self.tracer.meta
+                    meta["wgrad_peak_bytes"] = max(meta.get("wgrad_peak_bytes", 0), result.wgrad_peak_bytes)
             self.last_iteration = result  # deferred weight-gradient memory, bytes
         return StepResult(losses=[mb.reported for mb in mbs], has_loss=True)
 
