@@ -55,9 +55,11 @@ def run_one(schedule: str, G: int, args, port: int) -> dict:
         if proc.returncode != 0:
             raise SystemExit(f"{schedule} G={G} failed:\n{proc.stderr[-3000:]}")
         m = measured.measure(measured.load(trace_dir))
+        total = m.busy_s + m.idle_s
+        split = {k: sum(getattr(r, f"{k}_s") for r in m.ranks) / total for k in ("wait", "send", "other")}
         _, at_costs, unit = planned_from_trace(m)
         return {"measured": m.measured_bubble, "planned": at_costs.bubble_fraction, "unit": unit.bubble_fraction,
-                "iter_s": statistics.mean(m.iteration_s), "costs": m.mean_cost_s,
+                "iter_s": statistics.mean(m.iteration_s), "costs": m.mean_cost_s, "split": split,
                 "wgrad_peak_bytes": max(t.meta.get("wgrad_peak_bytes", 0) for t in measured.load(trace_dir))}
 
 
@@ -85,8 +87,8 @@ def main() -> int:
     print(f"\nP=2, L={args.layers}, h={args.hidden}, seq={args.seq}, micro-batch 1, float32, gloo, "
           f"{args.rounds} rounds, medians")
     print("| schedule | G | planned bubble (unit costs) | planned bubble (measured costs) | measured bubble "
-          "| iteration s | F / I / W / B ms |")
-    print("|---|---|---|---|---|---|---|")
+          "| of which recv wait / send post / rest | iteration s | F / I / W / B ms |")
+    print("|---|---|---|---|---|---|---|---|")
     med = statistics.median
     for G in args.Gs:
         for s in SCHEDULES:
@@ -94,7 +96,10 @@ def main() -> int:
             costs = {k: med(x["costs"].get(k, 0.0) for x in rs) * 1e3 for k in
                      ("forward", "backward_input", "backward_weight", "backward")}
             print(f"| {s} | {G} | {100 * rs[0]['unit']:.1f}% | {100 * med(x['planned'] for x in rs):.1f}% "
-                  f"| {100 * med(x['measured'] for x in rs):.1f}% | {med(x['iter_s'] for x in rs):.3f} "
+                  f"| {100 * med(x['measured'] for x in rs):.1f}% "
+                  f"| {100 * med(x['split']['wait'] for x in rs):.1f} / {100 * med(x['split']['send'] for x in rs):.1f} / "
+                  f"{100 * med(x['measured'] - x['split']['wait'] - x['split']['send'] for x in rs):.1f}% "
+                  f"| {med(x['iter_s'] for x in rs):.3f} "
                   f"| {costs['forward']:.1f} / {costs['backward_input']:.1f} / {costs['backward_weight']:.1f} / "
                   f"{costs['backward']:.1f} |")
     peak = max(x["wgrad_peak_bytes"] for (s, _, _), x in results.items() if s == "weipipe-zb")

@@ -56,6 +56,8 @@ def test_measured_bubble_is_idle_over_all_ranks_without_first_iteration_or_optim
     assert m.ranks[0].busy_s == pytest.approx(2 * 60e-6) and m.ranks[0].idle_s == pytest.approx(2 * 60e-6)
     assert m.ranks[1].busy_s == pytest.approx(2 * 90e-6) and m.ranks[1].idle_s == pytest.approx(2 * 30e-6)
     assert m.measured_bubble == pytest.approx(90 / 240)
+    assert m.ranks[0].wait_s == pytest.approx(2 * 20e-6) and m.ranks[1].send_s == pytest.approx(2 * 5e-6)
+    assert m.ranks[0].send_s == 0 and m.ranks[1].wait_s == 0
     assert m.mean_cost_s["forward"] == pytest.approx(35e-6)
     assert m.iteration_s == pytest.approx([120e-6, 120e-6])
 

@@ -142,10 +142,11 @@ def from_trace(directory: str, as_json: bool, width: int) -> int:
         return 0
     print(f"schedule {m.schedule}: {len(traces)} rank traces, iterations {m.iterations} measured "
           f"(the first is left out), mean iteration {out['mean_iteration_s']:.4f} s")
-    print("| rank | busy s | idle s | idle % |")
-    print("|---|---|---|---|")
+    print("| rank | busy s | idle s | idle % | of which: recv wait s | send post s | bookkeeping s |")
+    print("|---|---|---|---|---|---|---|")
     for r in m.ranks:
-        print(f"| {r.rank} | {r.busy_s:.4f} | {r.idle_s:.4f} | {100 * r.idle_s / max(r.busy_s + r.idle_s, 1e-12):.1f} |")
+        print(f"| {r.rank} | {r.busy_s:.4f} | {r.idle_s:.4f} | {100 * r.idle_s / max(r.busy_s + r.idle_s, 1e-12):.1f} "
+              f"| {r.wait_s:.4f} | {r.send_s:.4f} | {r.other_s:.4f} |")
     print(f"measured bubble {m.measured_bubble:.4f}")
     print("mean cost per action (s): " + ", ".join(f"{k} {v:.5f}" for k, v in m.mean_cost_s.items()))
     if at_costs:

@@ -35,6 +35,12 @@ class RankMeasure:
     rank: int
     busy_s: float = 0.0
     idle_s: float = 0.0
+    # where the idle time went: waiting for receives, posting sends, buffer bookkeeping;
+    # the rest of idle_s is outside any action (ring all-reduce of replicated gradients,
+    # Python between actions, the wait for the slowest rank at the iteration's edges)
+    wait_s: float = 0.0
+    send_s: float = 0.0
+    other_s: float = 0.0
 
 
 @dataclass
@@ -67,7 +73,8 @@ class Measured:
             "measured_bubble": self.measured_bubble,
             "mean_iteration_s": mean(self.iteration_s) if self.iteration_s else None,
             "mean_cost_s": self.mean_cost_s,
-            "ranks": [{"rank": r.rank, "busy_s": r.busy_s, "idle_s": r.idle_s} for r in self.ranks],
+            "ranks": [{"rank": r.rank, "busy_s": r.busy_s, "idle_s": r.idle_s, "wait_s": r.wait_s,
+                       "send_s": r.send_s, "other_s": r.other_s} for r in self.ranks],
         }
 
 
@@ -124,11 +131,16 @@ def measure(traces: list[RankTrace], skip_first: bool = True) -> Measured:
             lo, hi = win[it]
             busy = 0.0
             for e in t.events:
-                if e.get("cat") != "compute" or e["args"].get("iteration") != it:
+                cat = e.get("cat")
+                if cat not in ("compute", "wait", "send", "other") or e["args"].get("iteration") != it:
                     continue
                 s, f = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
-                busy += max(0.0, f - s)
-                costs.setdefault(e["name"], []).append(e["dur"])
+                inside = max(0.0, f - s)
+                if cat == "compute":
+                    busy += inside
+                    costs.setdefault(e["name"], []).append(e["dur"])
+                else:
+                    setattr(m, f"{cat}_s", getattr(m, f"{cat}_s") + inside / 1e6)
             m.busy_s += busy / 1e6
             m.idle_s += (hi - lo - busy) / 1e6
         ranks.append(m)
