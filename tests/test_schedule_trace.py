@@ -84,3 +84,30 @@ def test_bad_trace_directory_is_one_line_exit_2(tmp_path, capsys):
     _write(str(tmp_path), 0, [_event("iteration", "iteration", 0, 10, 1)])
     with pytest.raises(TraceError, match="at least 2 iterations"):
         measure(load(str(tmp_path)))
+
+
+def test_tracer_appends_and_the_file_stays_valid_json(tmp_path):
+    """ActionTracer writes the JSON array format, appending per iteration; load() reads
+    it back with the last metadata."""
+    from megatron_weipipe.schedules.plan import generate
+    from megatron_weipipe.schedules.runtime.trace import ActionTracer
+
+    tracer = ActionTracer(str(tmp_path), 3, "weipipe-zb", {"pipeline_size": 2, "num_microbatches": 2})
+    actions = generate("weipipe-zb", 2, 1).actions(1)
+    sizes = []
+    for it in range(2):
+        with tracer.iteration_span():
+            for a in actions:
+                with tracer.action(a):
+                    pass
+        tracer.meta["wgrad_peak_bytes"] = it
+        with tracer.phase("optimizer"):
+            pass
+        with open(tracer.path) as f:
+            data = json.load(f)  # valid after every iteration
+        sizes.append(len(data))
+    assert sizes[1] - sizes[0] == sizes[0] - 1  # the process_name event once, then the same per iteration
+    (t,) = load(str(tmp_path))
+    assert t.rank == 3 and t.schedule == "weipipe-zb" and t.meta["wgrad_peak_bytes"] == 1
+    per_it = [e for e in t.events if e["args"]["iteration"] == 2 and e["cat"] not in ("iteration", "optimizer")]
+    assert [e["name"] for e in per_it] == [a.kind.value for a in actions]

@@ -91,8 +91,12 @@ def load(directory: str) -> list[RankTrace]:
         try:
             with open(path) as f:
                 data = json.load(f)
-            other = data.get("otherData", {})
-            events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+            if isinstance(data, list):  # what --schedule-trace writes: the JSON array format
+                metas = [e["args"] for e in data if e.get("ph") == "M" and e.get("name") == "schedule_trace"]
+                other, raw = (metas[-1] if metas else {}), data
+            else:  # the object format ({"traceEvents": [...], "otherData": {...}})
+                other, raw = data.get("otherData", {}), data["traceEvents"]
+            events = [e for e in raw if e.get("ph") == "X"]
             out.append(RankTrace(int(other["rank"]), str(other["schedule"]), dict(other), events))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{path} is not a schedule trace: {e}") from None

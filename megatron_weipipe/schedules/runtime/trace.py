@@ -1,7 +1,9 @@
 """Per-rank timestamps of every schedule action, written as Chrome trace JSON.
 
-One file per global rank (`rank{N}.json`, the "traceEvents" format that Perfetto and
-chrome://tracing open). Every event is a complete event (`ph: "X"`) with a category:
+One file per global rank (`rank{N}.json`: the trace-event JSON array that Perfetto and
+chrome://tracing open). The file is valid JSON after every iteration and grows by
+appending (no rewrite), so a long run can keep the flag on. Every event is a complete
+event (`ph: "X"`) with a category:
 
 - `iteration`: one training iteration's forward and backward (the optimizer step is
   outside it, as its own `optimizer` event); `args.iteration` numbers them from 1;
@@ -10,7 +12,9 @@ chrome://tracing open). Every event is a complete event (`ph: "X"`) with a categ
 - `other`: buffer bookkeeping (load, drop, gradient start/accumulate).
 
 Timestamps are wall-clock microseconds (time.time_ns), so the files of the ranks of one
-host line up. `tools/schedule_timeline.py --from-trace DIR` reads them.
+host line up. A metadata event `schedule_trace` (`ph: "M"`, appended after every
+iteration; the last one counts) carries the schedule name, the rank and what the plan
+needs (pipeline size, microbatches, ...). `tools/schedule_timeline.py --from-trace DIR` reads them.
 """
 
 from __future__ import annotations
@@ -48,9 +52,12 @@ class ActionTracer:
         self.rank = rank
         self.schedule = schedule
         self.meta = dict(meta or {})  # e.g. pipeline_size, num_microbatches: what the plan needs
-        self.events: list[dict] = []
+        self.events: list[dict] = []  # not yet written
         self.iteration = 0
         os.makedirs(directory, exist_ok=True)
+        with open(self.path, "w") as f:
+            f.write("[\n" + json.dumps({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                                        "args": {"name": f"rank {rank}"}}) + "\n]")
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str, **args) -> Iterator[None]:
@@ -89,10 +96,13 @@ class ActionTracer:
         self.write()
 
     def write(self) -> None:
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
-                 "args": {"name": f"rank {self.rank}"}}]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms",
-                       "otherData": {**self.meta, "schedule": self.schedule, "rank": self.rank}}, f)
-        os.replace(tmp, self.path)
+        """Append the events since the last write and the metadata; the file stays one
+        valid JSON array (its closing bracket is overwritten and written again)."""
+        meta = {"name": "schedule_trace", "ph": "M", "pid": self.rank, "tid": 0,
+                "args": {**self.meta, "schedule": self.schedule, "rank": self.rank}}
+        text = "".join(",\n" + json.dumps(e) for e in self.events + [meta])
+        with open(self.path, "r+") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(f.tell() - 2)  # before the closing "\n]"
+            f.write(text + "\n]")
+        self.events.clear()
