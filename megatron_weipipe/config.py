@@ -218,6 +218,11 @@ class LoggingConfig:
 
     def validate(self) -> None:
         require(self.log_interval > 0, "--log-interval must be positive")
+        if self.schedule_trace is not None:
+            import os.path
+
+            require(self.schedule_trace != "" and not os.path.isfile(self.schedule_trace),
+                    f"--schedule-trace must name a directory, not {self.schedule_trace!r}")
 
 
 @dataclass

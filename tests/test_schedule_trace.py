@@ -111,3 +111,16 @@ def test_tracer_appends_and_the_file_stays_valid_json(tmp_path):
     assert t.rank == 3 and t.schedule == "weipipe-zb" and t.meta["wgrad_peak_bytes"] == 1
     per_it = [e for e in t.events if e["args"]["iteration"] == 2 and e["cat"] not in ("iteration", "optimizer")]
     assert [e["name"] for e in per_it] == [a.kind.value for a in actions]
+
+
+def test_schedule_trace_flag_must_name_a_directory(tmp_path):
+    from harness.runs import tiny_gpt_args
+
+    from megatron_weipipe.arguments import parse_config
+    from megatron_weipipe.errors import ConfigError
+
+    cfg = parse_config(tiny_gpt_args(schedule_trace=str(tmp_path / "traces")))
+    assert cfg.logging.schedule_trace == str(tmp_path / "traces")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="--schedule-trace must name a directory"):
+        parse_config(tiny_gpt_args(schedule_trace=str(tmp_path / "file")))
