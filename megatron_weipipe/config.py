@@ -218,9 +218,16 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = option(None, help="write TensorBoard scalars here")
     log_throughput: bool = option(True, help="log tokens/s and TFLOP/s (always on)")
     timing_log_level: int = option(0, help="accepted for Megatron compatibility")
+    schedule_trace: Optional[str] = option(
+        None, help="write per-rank Chrome trace JSON of every schedule action here (rank{N}.json)")
 
     def validate(self) -> None:
         require(self.log_interval > 0, "--log-interval must be positive")
+        if self.schedule_trace is not None:
+            import os.path
+
+            require(self.schedule_trace != "" and not os.path.isfile(self.schedule_trace),
+                    f"--schedule-trace must name a directory, not {self.schedule_trace!r}")
 
 
 @dataclass

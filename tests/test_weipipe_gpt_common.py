@@ -31,13 +31,16 @@ def train(rank: int, world_size: int, args: list[str]) -> dict:
     from megatron_weipipe.training.pretrain import pretrain
 
     cfg = parse_config(args, world_size=world_size)
-    grads, sent, seen = {}, {}, {}
+    grads, sent, seen, wgrad = {}, {}, {}, {}
 
     def after_backward(iteration, schedule):
         seen["schedule"] = schedule
         grads[iteration] = local_shards(schedule.model_chunks, "grad")
         sent[iteration] = dict(schedule.ctx.bytes.snapshot()["sent"])
         seen["chunk_numel"] = getattr(getattr(schedule, "layout", None), "numel", None)
+        last = getattr(schedule, "last_iteration", None)
+        if last is not None:  # WeiPipe: deferred weight GEMMs and the bytes they kept
+            wgrad[iteration] = (last.wgrad_deferred, last.wgrad_peak_bytes, len(schedule.deferrable))
 
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
@@ -49,6 +52,7 @@ def train(rank: int, world_size: int, args: list[str]) -> dict:
         "sent": sent,
         "chunk_numel": seen.get("chunk_numel"),
         "log": log.getvalue(),
+        "wgrad": wgrad,
     }
     parallel_state.destroy_model_parallel()
     return out
@@ -68,6 +72,7 @@ def merge(per_rank: list[list[dict]], index: int) -> dict:
         "sent": [r["sent"] for r in runs],
         "chunk_numel": [r["chunk_numel"] for r in runs],
         "log": runs[0]["log"],
+        "wgrad": [r["wgrad"] for r in runs],
     }
 
 

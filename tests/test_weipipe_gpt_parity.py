@@ -11,7 +11,9 @@ spawned run per world size covers all its configurations.
 from __future__ import annotations
 
 import functools
+import os
 import re
+import tempfile
 
 import numpy as np
 import pytest
@@ -31,8 +33,9 @@ def _layers(P: int) -> int:
     return 2 * P
 
 
-def _weipipe_args(name: str, P: int, G: int, dp: int = 1, **extra) -> list[str]:
-    recompute = dict(recompute_granularity="full", recompute_method="uniform") if G == 2 else {}
+def _weipipe_args(name: str, P: int, G: int, dp: int = 1, recompute: bool = None, **extra) -> list[str]:
+    recompute = G == 2 if recompute is None else recompute
+    recompute = dict(recompute_granularity="full", recompute_method="uniform") if recompute else {}
     return argv(num_layers=_layers(P), global_batch_size=MICRO * G * P * dp, pipeline_model_parallel_size=P,
                 pipeline_schedule=name, log_interval=1, **recompute, **extra)
 
@@ -47,7 +50,11 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
 
 
 def _ring_configs(P: int) -> dict:
-    return {(name, P, G): _weipipe_args(name, P, G) for name in WEIPIPE for G in (1, 2, 3)}
+    configs = {(name, P, G): _weipipe_args(name, P, G) for name in WEIPIPE for G in (1, 2, 3)}
+    # weipipe-zb (deferred weight GEMMs) also the other way round: recompute iff G != 2.
+    configs.update({("weipipe-zb", P, G, "flip"): _weipipe_args("weipipe-zb", P, G, recompute=G != 2)
+                    for G in (1, 2, 3)})
+    return configs
 
 
 EXTRA_WORLD4 = {
@@ -55,6 +62,9 @@ EXTRA_WORLD4 = {
                                       make_vocab_size_divisible_by=256), _reference_key(2, 2)),
     "dp2-ring2-interleave-G2": (_weipipe_args("weipipe-interleave", 2, 2, dp=2), _reference_key(2, 2, dp=2)),
     "dp2-ring2-naive-G1": (_weipipe_args("weipipe-naive", 2, 1, dp=2), _reference_key(2, 1, dp=2)),
+    "tp2-ring2-zb-G1": (_weipipe_args("weipipe-zb", 2, 1, tensor_model_parallel_size=2,
+                                      make_vocab_size_divisible_by=256), _reference_key(2, 1)),
+    "dp2-ring2-zb-G1": (_weipipe_args("weipipe-zb", 2, 1, dp=2), _reference_key(2, 1, dp=2)),
 }
 # The distributed optimizer reduce-scatters: each DP rank holds a gradient shard only,
 # so losses and parameters are compared.
@@ -74,9 +84,14 @@ def _references() -> dict:
     return {k: merge(per_rank, i) for i, k in enumerate(keys)}
 
 
+# Two runs also write per-action traces (--schedule-trace): tests/test_schedule_trace.py's
+# end-to-end checks read them, sharing the runs.
+TRACE_DIR = tempfile.mkdtemp(prefix="weipipe_trace_")
+TRACES = {"llama-zb-G3": os.path.join(TRACE_DIR, "zb"), "fp32-1f1b": os.path.join(TRACE_DIR, "1f1b")}
 EXTRA_WORLD2 = {
     "llama-interleave-G2": (_weipipe_args("weipipe-interleave", 2, 2, **LLAMA), _reference_key(2, 2, **LLAMA)),
-    "llama-zb-G3": (_weipipe_args("weipipe-zb", 2, 3, **LLAMA), _reference_key(2, 3, **LLAMA)),
+    "llama-zb-G3": (_weipipe_args("weipipe-zb", 2, 3, schedule_trace=TRACES["llama-zb-G3"], **LLAMA),
+                    _reference_key(2, 3, **LLAMA)),
 }
 # Dropout on: recomputation must replay the forward's RNG (same masks), so with and
 # without it the run is the same.
@@ -90,7 +105,7 @@ DROPOUT_WORLD2 = {
 BF16_WORLD2 = {
     "bf16-zb": argv(pipeline_model_parallel_size=2, pipeline_schedule="weipipe-zb", bf16=True, train_iters=5,
                     weipipe_grad_dtype="bf16", **LLAMA),
-    "fp32-1f1b": argv(pipeline_model_parallel_size=2, train_iters=5, **LLAMA),
+    "fp32-1f1b": argv(pipeline_model_parallel_size=2, train_iters=5, schedule_trace=TRACES["fp32-1f1b"], **LLAMA),
 }
 
 
@@ -116,6 +131,36 @@ def test_weipipe_gpt_matches_reference(name, P, G):
     reference = _references()[_reference_key(P, G)]
     assert len(run["losses"]) == 3
     assert_matches(run, reference, f"{name} P={P} G={G}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("G", [1, 2, 3])
+def test_weipipe_zb_other_recompute_matches_reference(P, G):
+    run = _world(P)[("weipipe-zb", P, G, "flip")]
+    assert_matches(run, _references()[_reference_key(P, G)], f"weipipe-zb P={P} G={G} recompute={G != 2}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_zb_defers_every_linear_weight_gemm(P):
+    """weipipe-zb runs the weight GEMMs of QKV, projection, FC1 and FC2 (4 per layer) at W,
+    every (microbatch, chunk) of every iteration, with and without recomputation, and
+    holds their inputs meanwhile; the other variants defer nothing."""
+    for G in (1, 2, 3):
+        for key in (("weipipe-zb", P, G), ("weipipe-zb", P, G, "flip")):
+            for per_iter in _world(P)[key]["wgrad"]:
+                assert len(per_iter) == 3, key
+                for deferred, peak, deferrable in per_iter.values():
+                    assert deferrable == 4 * 2, key  # 2 layers per chunk
+                    assert deferred == deferrable * G * P, (key, deferred)
+                    assert peak > 0, key
+        for name in ("weipipe-interleave", "weipipe-naive"):
+            for per_iter in _world(P)[(name, P, G)]["wgrad"]:
+                assert all(d == 0 and b == 0 for d, b, _ in per_iter.values()), name
+    for layout, G in (("tp2-ring2-zb-G1", 1), ("dp2-ring2-zb-G1", 1), ("tp2-ring2-zb-G2", 2)):
+        for per_iter in _world(4)[layout]["wgrad"]:
+            assert all(d == 8 * G * 2 for d, _, _ in per_iter.values()), layout
 
 
 @pytest.mark.distributed
@@ -201,3 +246,42 @@ def test_bf16_with_bf16_gradient_messages_tracks_float32():
     got = wp["sent"][0][1]
     want = _expected_sent("weipipe-zb", 2, 2, 0, numel, weight_bytes=2, grad_bytes=2)
     assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.distributed
+def test_schedule_trace_has_every_action_of_the_plan():
+    """--schedule-trace: per rank and iteration, one event per action of the rank's list
+    (weipipe-zb P=2 G=3), one forward and one backward per microbatch for 1F1B, the
+    optimizer step outside the iteration; the tool measures both."""
+    import json
+    import subprocess
+    import sys
+    from collections import Counter
+
+    from megatron_weipipe.schedules.plan import generate
+    from megatron_weipipe.schedules.plan.measured import load, measure
+
+    _world(2)  # the runs that write the traces
+    plan = generate("weipipe-zb", 2, 3)
+    for t in load(TRACES["llama-zb-G3"]):
+        want = Counter(a.kind.value for a in plan.actions(t.meta["pipeline_rank"]))
+        for it in (1, 2, 3):
+            got = Counter(e["name"] for e in t.events if e["args"]["iteration"] == it
+                          and e["cat"] not in ("iteration", "optimizer"))
+            assert got == want, (t.rank, it, got, want)
+        assert sum(e["cat"] == "optimizer" for e in t.events) == 3
+    for t in load(TRACES["fp32-1f1b"]):
+        for it in range(1, 6):
+            got = Counter(e["name"] for e in t.events if e["args"]["iteration"] == it and e["cat"] == "compute")
+            assert got == {"forward": 4, "backward": 4}, (t.rank, it, got)
+    for name, d in TRACES.items():
+        m = measure(load(d))
+        assert 0 < m.measured_bubble < 1 and all(r.busy_s > 0 and r.idle_s > 0 for r in m.ranks), name
+        proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), os.pardir, "tools",
+                                                            "schedule_timeline.py"), "--from-trace", d, "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["measured_bubble"] == pytest.approx(m.measured_bubble)
+        assert [r["busy_s"] for r in out["ranks"]] == pytest.approx([r.busy_s for r in m.ranks])
+        assert 0 < out["planned_bubble"] < 1, name

@@ -179,3 +179,34 @@ def test_bad_sizes_fail_with_one_sentence():
         generate("weipipe-fancy", 4, 2)
     with pytest.raises(ScheduleError, match="multiple of P"):
         megatron_timeline("interleaved", 4, 6)
+
+
+COSTS = [(1, 1, 1), (1, 1.5, 0.5), (1, 0.8, 1.3), (1, 3, 0.2), (0.7, 1.9, 0.6), (2, 0.3, 0.4), (1, 0.5, 0.5)]
+
+
+@pytest.mark.parametrize("F,I,W", COSTS)
+def test_zb_makespan_and_bubble_closed_form_at_any_costs(F, I, W):
+    """weipipe-zb (W at the end of its I's tick) at measured-like costs: makespan
+    GP(F+I+W) + (P-1)max(F,I,W); the bubble is (P-1)max / makespan. The lower bound
+    (P-1)F + GP(F+I+W) is met exactly when max(I, W) <= F; interleave is the same form
+    with B, and zb with I = B, W = 0 is interleave."""
+    from megatron_weipipe.schedules.plan.metrics import expected_makespan
+    from megatron_weipipe.schedules.plan.simulate import DEFAULT_COSTS, simulate
+
+    for P in range(2, 9):
+        for G in range(1, 5):
+            costs = {**DEFAULT_COSTS, Kind.FORWARD: F, Kind.BACKWARD_INPUT: I, Kind.BACKWARD_WEIGHT: W,
+                     Kind.BACKWARD: I + W}
+            zb = simulate(generate("weipipe-zb", P, G), costs)
+            want = expected_makespan("weipipe-zb", P, G, F, I=I, W=W)
+            assert zb.makespan == pytest.approx(want), (P, G)
+            m = max(F, I, W)
+            assert zb.bubble_fraction == pytest.approx((P - 1) * m / (G * P * (F + I + W) + (P - 1) * m))
+            lower = (P - 1) * F + G * P * (F + I + W)
+            assert (zb.makespan == pytest.approx(lower)) == (max(I, W) <= F)
+            il = simulate(generate("weipipe-interleave", P, G), costs)
+            assert il.makespan == pytest.approx(expected_makespan("weipipe-interleave", P, G, F, B=I + W))
+            assert zb.makespan <= il.makespan + 1e-9
+            stored = simulate(generate("weipipe-zb", P, G), {**costs, Kind.BACKWARD_INPUT: I + W,
+                                                              Kind.BACKWARD_WEIGHT: 0.0})
+            assert stored.makespan == pytest.approx(il.makespan)

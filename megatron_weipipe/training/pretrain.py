@@ -318,7 +318,8 @@ def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provi
                 else:
                     raise _nan_error(msg)
             if not bad or not t.check_for_nan_in_loss_and_grad:
-                stepped, grad_norm = _optimizer_step(optimizer, t.clip_grad)
+                with schedule.trace_span("optimizer"):
+                    stepped, grad_norm = _optimizer_step(optimizer, t.clip_grad)
                 if grad_norm is not None and not math.isfinite(grad_norm) and t.check_for_nan_in_loss_and_grad:
                     msg = f"NaN/Inf gradient norm at iteration {state.iteration + 1}"
                     if not t.skip_nan_steps:

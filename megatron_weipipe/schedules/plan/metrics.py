@@ -134,3 +134,21 @@ def expected_bubble(name: str, P: int, G: int) -> Fraction:
         "weipipe-zb": P - 1,
     }[name]
     return Fraction(extra, work + extra)
+
+
+def expected_makespan(name: str, P: int, G: int, F: float, B: float = 0.0, I: float = 0.0, W: float = 0.0) -> float:
+    """Simulated makespan at any compute costs (loss 0, transfers hidden), exact.
+
+    weipipe-interleave: GP(F + B) + (P-1) max(F, B); weipipe-zb: GP(F + I + W) +
+    (P-1) max(F, I, W). Every hop between neighbours waits for the compute its token
+    follows (F for forward weights, B or I for backward weights, W for the gradient),
+    so each of the P-1 offsets between ring ranks is the largest of them; the last rank
+    then runs its GP ticks without a gap. With I = W = F this is the lower bound
+    (P-1)F + GP(F + I + W): no placement of W can shorten it, and for I or W above F
+    no placement of W removes the extra (P-1)(max - F), which comes from sending a
+    token only after the compute it follows."""
+    if name == "weipipe-interleave":
+        return G * P * (F + B) + (P - 1) * max(F, B)
+    if name == "weipipe-zb":
+        return G * P * (F + I + W) + (P - 1) * max(F, I, W)
+    raise ScheduleError(f"no closed form for the makespan of {name}")

@@ -38,10 +38,16 @@ class FlatLayout:
         return cls(tuple(slots), offset)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named views into `flat` (no copies); gradients flow back into `flat`."""
+        """Named views into `flat` (no copies); gradients flow back into `flat`.
+
+        One `split`, not a slice per parameter: the backward of a slice builds a
+        zero-filled tensor of the whole flat size for every parameter that gets a
+        gradient, the backward of a split one concatenation (measured: 23 ms against
+        0.6 ms for a 1.6M-element chunk of two GPT layers on one CPU core)."""
         if flat.dim() != 1 or flat.numel() != self.numel:
             raise ValueError(f"flat buffer has shape {tuple(flat.shape)}, layout needs ({self.numel},)")
-        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.params}
+        parts = flat.split([s.numel for s in self.params])
+        return {s.name: part.view(s.shape) for s, part in zip(self.params, parts)}
 
     def flatten(self, params: Union[nn.Module, Mapping[str, torch.Tensor]],
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -44,6 +44,8 @@ from megatron_weipipe.platform import detect_platform
 
 from ..plan.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
 from .flat import FlatLayout
+from .trace import ActionTracer
+from .wgrad import WeightGradStore, deferring
 
 
 @dataclass
@@ -51,6 +53,8 @@ class IterationResult:
     losses: list  # per local microbatch, detached, in microbatch order
     main_grad: torch.Tensor  # flat fp32 summed gradient of the owned chunk
     bytes: ByteCounter
+    wgrad_peak_bytes: int = 0  # most bytes the deferred weight gradients kept at once
+    wgrad_deferred: int = 0  # weight GEMMs deferred from I to W
 
 
 class _Port(torch.autograd.Function):
@@ -102,6 +106,7 @@ class _Saved:
     bwd_flat: Optional[torch.Tensor] = None  # kept alive between the input and weight passes
     dy: Optional[torch.Tensor] = None
     dw: Optional[torch.Tensor] = None  # weight gradient computed early ("stored" weight pass)
+    early: Optional[dict] = None  # "deferred": gradients of the weights not deferred (norms, biases)
 
 
 class WeiPipeRuntime:
@@ -126,6 +131,7 @@ class WeiPipeRuntime:
         comm_scope: Optional[Callable[[Flow], ContextManager]] = None,
         rng: Any = None,
         weight_pass: str = "replay",
+        tracer: Optional[ActionTracer] = None,
     ):
         """`comm_scope(flow)`, if given, is entered around every isend/irecv of that flow
         (e.g. to attribute bytes in a process-wide counter). `rng` (get_state/set_state)
@@ -137,9 +143,14 @@ class WeiPipeRuntime:
         weight, attention included); "stored" computes input and weight gradients in
         one pass at BACKWARD_INPUT and only adds the stored result at BACKWARD_WEIGHT
         (no repeated work, the graph freed at once; the split then exists in the action
-        order and message timing only)."""
-        if weight_pass not in ("replay", "stored"):
-            raise ValueError(f"weight_pass must be 'replay' or 'stored', not {weight_pass!r}")
+        order and message timing only); "deferred" has the layers that call
+        `wgrad.deferred_linear` compute only input gradients at BACKWARD_INPUT and run
+        their weight GEMMs at BACKWARD_WEIGHT (the real split, no repeated work; norms,
+        biases and any other weight get their gradient at BACKWARD_INPUT).
+        `tracer` (an ActionTracer) times every action of every iteration."""
+        if weight_pass not in ("replay", "stored", "deferred"):
+            raise ValueError(f"weight_pass must be 'replay', 'stored' or 'deferred', not {weight_pass!r}")
+        self.tracer = tracer
         self.weight_pass = weight_pass
         if schedule.family != "weipipe":
             raise ScheduleError(f"{schedule.name} is not a WeiPipe schedule")
@@ -204,7 +215,8 @@ class WeiPipeRuntime:
                                 chunk_kwargs or (lambda mb: {}))
         state.run()
         return IterationResult(losses=[state.losses[m] for m in range(len(microbatches))],
-                               main_grad=main_grad, bytes=state.bytes)
+                               main_grad=main_grad, bytes=state.bytes,
+                               wgrad_peak_bytes=state.wgrad.peak_bytes, wgrad_deferred=state.wgrad.deferred)
 
 
 def _post_keys(schedule: Schedule, rank: int) -> dict[int, tuple[int, int]]:
@@ -254,18 +266,27 @@ class _IterationState:
         self.sends: list = []
         self.recv_order = [i for i, a in enumerate(rt.actions) if a.kind is Kind.RECV]
         self.recv_cursor = 0
+        # The iteration's deferred weight gradients; the split backwards defer into it.
+        self.wgrad = WeightGradStore()
+        self.defer = ({(a.mb, a.chunk) for a in rt.actions if a.kind is Kind.BACKWARD_WEIGHT}
+                      if rt.weight_pass == "deferred" else set())
 
     # -------------------------------------------------------------- driver
 
     def run(self) -> None:
         tick = None
+        tracer = self.rt.tracer
         try:
             for i, a in enumerate(self.rt.actions):
                 if a.tick != tick:
                     tick = a.tick
                     self._reap_sends()
                     self._post_recvs(upto_tick=tick + self.rt.lookahead)
-                getattr(self, "_" + a.kind.value)(i, a)
+                if tracer is None:
+                    getattr(self, "_" + a.kind.value)(i, a)
+                else:
+                    with tracer.action(a):
+                        getattr(self, "_" + a.kind.value)(i, a)
         finally:
             for work, _ in self.sends:
                 work.wait()
@@ -273,6 +294,7 @@ class _IterationState:
         leftover = {str(b): c for b, (c, _) in self.buffers.items()}
         if leftover or self.posted:
             raise ScheduleError(f"rank {self.rt.ring_rank} ends with live buffers {leftover} or unreceived messages")
+        self.wgrad.check_empty(f"rank {self.rt.ring_rank} at the end of the iteration")
 
     # -------------------------------------------------------------- comm
 
@@ -351,9 +373,12 @@ class _IterationState:
 
     # -------------------------------------------------------------- compute
 
-    def _call(self, flat: torch.Tensor, x: torch.Tensor, mb: int) -> torch.Tensor:
-        return functional_call(self.rt.template, self.rt.layout.views(flat), (x,),
-                               self.chunk_kwargs(self.mbs[mb]))
+    def _call(self, flat: torch.Tensor, x: torch.Tensor, mb: int, chunk: int) -> torch.Tensor:
+        scope = (deferring(self.wgrad, (mb, chunk)) if (mb, chunk) in self.defer and torch.is_grad_enabled()
+                 else contextlib.nullcontext())
+        with scope:
+            return functional_call(self.rt.template, self.rt.layout.views(flat), (x,),
+                                   self.chunk_kwargs(self.mbs[mb]))
 
     def _forward(self, i: int, a: Action) -> None:
         flat = self._get(a, a.buffer)
@@ -368,12 +393,12 @@ class _IterationState:
         if self.rt.recompute:
             saved.rng = self.rt.rng.get_state()
             with torch.no_grad():
-                y = self._call(flat, x, a.mb)
+                y = self._call(flat, x, a.mb, a.chunk)
         else:
             swap = _WeightSwap(flat.untyped_storage().data_ptr())
             anchor = torch.zeros(1, dtype=flat.dtype, device=flat.device).expand(flat.numel()).requires_grad_()
             with torch.autograd.graph.saved_tensors_hooks(swap.pack, swap.unpack):
-                y = self._call(_Port.apply(anchor, flat), x, a.mb)
+                y = self._call(_Port.apply(anchor, flat), x, a.mb, a.chunk)
             saved.y, saved.swap, saved.anchor = y, swap, anchor
         self.saved[(a.mb, a.chunk)] = saved
         self.next_input[(a.mb, a.chunk + 1)] = y.detach()
@@ -400,18 +425,18 @@ class _IterationState:
             self.rt.rng.set_state(s.rng)  # same dropout masks as the forward
             try:
                 with torch.enable_grad():
-                    s.y = self._call(s.anchor, s.x, a.mb)
+                    s.y = self._call(s.anchor, s.x, a.mb, a.chunk)
             finally:
                 self.rt.rng.set_state(outer)
         else:
             s.swap.flat = bwd
         s.bwd_flat = bwd
         want_x = a.chunk > 0 or s.pre_out is not None
-        store = not weight_too and self.rt.weight_pass == "stored"
-        both = weight_too or store
+        split_now = not weight_too and self.rt.weight_pass in ("stored", "deferred")
+        both = weight_too or split_now
         inputs = ([s.x] if want_x else []) + ([s.anchor] if both else [])
         if inputs:
-            grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not both)
+            grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not both, allow_unused=True)
         else:
             grads = ()
         if want_x:
@@ -419,12 +444,30 @@ class _IterationState:
         if weight_too:
             self._add_weight_grad(a, grads[-1])
             del self.saved[(a.mb, a.chunk)]
-        elif store:
-            s.dw = grads[-1]
+        elif split_now:
+            dw = grads[-1] if grads[-1] is not None else torch.zeros_like(s.anchor)
+            if self.rt.weight_pass == "deferred":
+                # Keep only the gradients of weights not deferred (norms, biases): small.
+                deferred = self.wgrad.names((a.mb, a.chunk))
+                s.early = {p.name: dw[p.offset:p.offset + p.numel].clone()
+                           for p in self.rt.layout.params if p.name not in deferred}
+            else:
+                s.dw = dw
             s.x = s.y = s.dy = s.anchor = s.bwd_flat = s.swap = None  # graph and weights freed now
 
     def _backward_weight(self, i: int, a: Action) -> None:
         s = self.saved.pop((a.mb, a.chunk))
+        if s.early is not None:  # "deferred": the weight GEMMs run now
+            views = self.rt.layout.views(self._get(a, a.grad))
+            dtype = self.rt.grad_dtype
+
+            def add(name: str, g: torch.Tensor) -> None:
+                views[name].add_(g.reshape(views[name].shape).to(dtype))
+
+            for name, g in s.early.items():
+                add(name, g)
+            self.wgrad.flush((a.mb, a.chunk), add)
+            return
         dw = s.dw if s.dw is not None else torch.autograd.grad(s.y, [s.anchor], s.dy)[0]
         self._add_weight_grad(a, dw)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
@@ -41,6 +42,26 @@ class TrainSchedule(ABC):
         self.groups = ctx.groups
         self.name = registry.schedule_name(cfg)  # one class may serve several schedules
         self.model_chunks: list[torch.nn.Module] = []
+        self.tracer = None  # per-action Chrome trace (--schedule-trace DIR)
+        trace_dir = getattr(cfg.logging, "schedule_trace", None)
+        if trace_dir:
+            import torch.distributed as dist
+
+            from megatron_weipipe.schedules.runtime.trace import ActionTracer
+
+            g = ctx.groups
+            meta = {"pipeline_size": g.pp_size, "pipeline_rank": g.pp_rank, "data_parallel_rank": g.dp_rank,
+                    "num_microbatches": cfg.num_microbatches,
+                    "virtual_stages": cfg.parallel.virtual_pipeline_size(cfg.model.num_layers)}
+            self.tracer = ActionTracer(trace_dir, dist.get_rank() if dist.is_initialized() else 0, self.name, meta)
+
+    def trace_iteration(self):
+        """Around one training iteration's forward and backward (not the optimizer step)."""
+        return self.tracer.iteration_span() if self.tracer is not None else contextlib.nullcontext()
+
+    def trace_span(self, name: str):
+        """Any other traced phase of the iteration (e.g. the optimizer step)."""
+        return self.tracer.phase(name) if self.tracer is not None else contextlib.nullcontext()
 
     @classmethod
     def check_config(cls, cfg: PretrainConfig) -> None:

@@ -6,6 +6,8 @@ the way Megatron-LM's ``get_model`` does and wraps them in megatron-core's DDP.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -87,7 +89,8 @@ class MegatronSchedule(TrainSchedule):
         chunks = self.model_chunks
         # Each virtual chunk reads the same microbatches at its own pace (first: tokens, last: labels).
         iterators = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
-        with self.ctx.bytes.scope("activations"):
+        traced = contextlib.nullcontext() if forward_only or self.tracer is None else self._traced()
+        with self.ctx.bytes.scope("activations"), traced:
             losses = fb(
                 forward_step_func=forward_step,
                 data_iterator=iterators,
@@ -100,3 +103,28 @@ class MegatronSchedule(TrainSchedule):
             )
         has_loss = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         return StepResult(losses=list(losses) if has_loss else [], has_loss=has_loss)
+
+    @contextlib.contextmanager
+    def _traced(self):
+        """Time megatron-core's per-microbatch forward_step and backward_step (module
+        functions its schedules look up at call time) inside one iteration event;
+        everything else in the iteration (point-to-point waits included) is idle."""
+        from megatron.core.pipeline_parallel import schedules
+
+        tracer = self.tracer
+        fwd, bwd = schedules.forward_step, schedules.backward_step
+
+        def forward_step(*args, **kwargs):
+            with tracer.span("forward", "compute"):
+                return fwd(*args, **kwargs)
+
+        def backward_step(*args, **kwargs):
+            with tracer.span("backward", "compute"):
+                return bwd(*args, **kwargs)
+
+        schedules.forward_step, schedules.backward_step = forward_step, backward_step
+        try:
+            with self.trace_iteration():
+                yield
+        finally:
+            schedules.forward_step, schedules.backward_step = fwd, bwd

@@ -36,6 +36,7 @@ class WeiPipeSchedule(TrainSchedule):
         self.P = self.groups.pp_size
         self.G = cfg.num_microbatches // self.P
         self.runtime = None
+        self.last_iteration = None
 
     # ------------------------------------------------------------------ model
 
@@ -49,6 +50,7 @@ class WeiPipeSchedule(TrainSchedule):
         from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
         from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
 
+        from . import deferred
         from .ring_model import DecoderChunk, make_ring_replicas, replicated_parameters
         from .steps import GPTEnds
 
@@ -63,6 +65,7 @@ class WeiPipeSchedule(TrainSchedule):
         self.model = model
         self.template = DecoderChunk(model.decoder.layers, model.config.sequence_parallel)
         self.layout = FlatLayout.from_module(self.template)
+        self.deferrable = deferred.install(self.template)  # QKV, projection, FC1, FC2 of every layer
         self.owned = dict(self.template.named_parameters())
         self.replicated = [p for _, p in replicated_parameters(model)]
         self.ends = GPTEnds(model, num_microbatches=self.G * self.P, cp_size=g.cp_size)
@@ -79,9 +82,9 @@ class WeiPipeSchedule(TrainSchedule):
             comm_scope=lambda flow: self.ctx.bytes.scope(FLOW_KIND[flow.value]),
             # what a recomputed chunk forward replays to draw the same dropout masks
             rng=self.ctx.platform.rng_streams(tracker=get_cuda_rng_tracker()),
-            # megatron-core's linear layers have no separate weight-gradient kernel: a
-            # replayed W pass would run the whole backward (attention too) twice.
-            weight_pass="stored",
+            # The split backward of weipipe-zb: the linear layers' weight GEMMs run at W.
+            weight_pass="deferred",
+            tracer=self.tracer,
         )
         return self.model_chunks
 
@@ -105,11 +108,16 @@ class WeiPipeSchedule(TrainSchedule):
         if forward_only:
             self._forward_only(mbs)
         else:
-            result = self.runtime.run_iteration(
-                self._master(), mbs, pre_fn=self.ends.pre_fn, post_fn=self.ends.post_fn,
-                chunk_kwargs=self.ends.chunk_kwargs,
-            )
-            self._finish_grads(result.main_grad)
+            with self.trace_iteration():
+                result = self.runtime.run_iteration(
+                    self._master(), mbs, pre_fn=self.ends.pre_fn, post_fn=self.ends.post_fn,
+                    chunk_kwargs=self.ends.chunk_kwargs,
+                )
+                self._finish_grads(result.main_grad)
+                if self.tracer is not None:  # in the trace file's otherData (written as the span ends)
+                    meta = self.tracer.meta
+                    meta["wgrad_peak_bytes"] = max(meta.get("wgrad_peak_bytes", 0), result.wgrad_peak_bytes)
+            self.last_iteration = result  # deferred weight-gradient memory, bytes
         return StepResult(losses=[mb.reported for mb in mbs], has_loss=True)
 
     def _finish_grads(self, chunk_grad: torch.Tensor) -> None:
