@@ -200,6 +200,10 @@ class CheckpointConfig:
     no_load_rng: bool = option(False, help="do not load the RNG state")
     finetune: bool = option(False, help="load weights only and start at step 0")
     ckpt_format: str = option("torch_dist", help="torch_dist (megatron-core dist_checkpointing)")
+    dist_ckpt_optim_fully_reshardable: bool = option(
+        False, help="save the distributed optimizer's state in parameter shapes (fully_reshardable): it then loads "
+                    "under other TP/PP/CP layouts and schedules and without --use-distributed-optimizer; the "
+                    "default (dp_reshardable) reshards only across data-parallel ranks")
 
     def validate(self) -> None:
         require(self.ckpt_format == "torch_dist", "--ckpt-format must be torch_dist")

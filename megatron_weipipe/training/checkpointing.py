@@ -23,6 +23,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_weipipe import faults
@@ -30,7 +31,7 @@ from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.context import RunContext
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe.platform import Platform
-from megatron_weipipe.training import safe_load
+from megatron_weipipe.training import optimizer_checkpoint, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ def _layout(cfg: PretrainConfig) -> dict:
         "context_parallel_size": p.context_parallel_size,
         "world_size": cfg.world_size,
         "pipeline_schedule": cfg.schedule_name,
+        "virtual_pipeline_size": p.virtual_pipeline_size(cfg.model.num_layers),
+        "optimizer": optimizer_checkpoint.optimizer_layout(cfg),
     }
 
 
@@ -136,13 +139,18 @@ def _model_keys(model_chunks) -> list[str]:
     return ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
 
 
-def _sharded_state(cfg, ctx: RunContext, model_chunks, optimizer, scheduler, *, is_loading: bool, with_optim: bool,
-                   with_rng: bool, extra: Optional[dict] = None) -> dict:
+def _sharded_state(cfg, ctx: RunContext, model_chunks, optimizer, scheduler, *, with_optim: bool, with_rng: bool,
+                   extra: Optional[dict] = None, load_optimizer=None) -> dict:
+    """The sharded state to save, or (``load_optimizer(state)`` given) to request when loading."""
     state: dict = {}
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         state[key] = unwrap(chunk).sharded_state_dict()
     if with_optim and optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        if load_optimizer is None:
+            state["optimizer"] = optimizer_checkpoint.save_state(optimizer, state, cfg)
+        else:
+            key, request = load_optimizer(state)
+            state[key] = request
         state["opt_param_scheduler"] = scheduler.state_dict() if scheduler is not None else {}
     if with_rng:
         state["rng_state"] = _rng_state(ctx.groups, ctx.platform)
@@ -185,8 +193,9 @@ def save_checkpoint(
         os.makedirs(partial)
     dist.barrier()
     state = _sharded_state(
-        cfg, ctx, model_chunks, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
+        cfg, ctx, model_chunks, optimizer, scheduler, with_optim=True, with_rng=True,
         extra={
+            "optimizer_step": optimizer_checkpoint.adam_step(optimizer) if optimizer is not None else None,
             "iteration": iteration,
             "checkpoint_version": CHECKPOINT_VERSION,
             "consumed_train_samples": consumed_train_samples,
@@ -294,11 +303,16 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
     """Restore model, optimizer, LR schedule, RNG and data position from ``--load``."""
     from megatron.core import dist_checkpointing
 
+    finetune = cfg.checkpoint.finetune
+    with_optim = not (cfg.checkpoint.no_load_optim or finetune)
     error, path, common = None, None, {}
     try:
         path = find_checkpoint(cfg)
         if path is not None:
             common = _check_before_loading(cfg, path)
+            problem = optimizer_checkpoint.check_resharding(common.get("layout", {}), _layout(cfg))
+            if with_optim and problem:
+                raise CheckpointError(f"--load {path}: {problem}")
     except CheckpointError as e:
         error = str(e)
     _agree(error)
@@ -310,12 +324,17 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
         for k, v in _layout(cfg).items()
         if k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size")
     )
-    finetune = cfg.checkpoint.finetune
-    with_optim = not (cfg.checkpoint.no_load_optim or finetune)
     with_rng = same_rng_layout and not (cfg.checkpoint.no_load_rng or finetune)
-    sharded = _sharded_state(
-        cfg, ctx, model_chunks, optimizer, scheduler, is_loading=True, with_optim=with_optim, with_rng=with_rng
-    )
+    optimizer_key, apply_optimizer = "optimizer", None
+
+    def load_optimizer(model_state):
+        nonlocal optimizer_key, apply_optimizer
+        optimizer_key, request, apply_optimizer = optimizer_checkpoint.load_request(
+            optimizer, model_state, saved_layout, _layout(cfg), common.get("optimizer_step"))
+        return optimizer_key, request
+
+    sharded = _sharded_state(cfg, ctx, model_chunks, optimizer, scheduler, with_optim=with_optim, with_rng=with_rng,
+                             load_optimizer=load_optimizer)
     try:
         with safe_load.safe_byte_objects():
             state = dist_checkpointing.load(sharded, path, common_strategy=safe_load.common_strategy())
@@ -324,7 +343,8 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         unwrap(chunk).load_state_dict(state[key], strict=True)
     if with_optim:
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # the state is copied into the optimizer's leaf parameters in place
+            apply_optimizer(state[optimizer_key])
         if scheduler is not None and state.get("opt_param_scheduler"):
             scheduler.load_state_dict(state["opt_param_scheduler"])
     if not with_rng and not finetune and dist.get_rank() == 0:
