@@ -16,6 +16,7 @@ from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.errors import ConfigError, require
 from megatron_weipipe.flags import option
 from megatron_weipipe.fpdt.config import FPDTConfig
+from megatron_weipipe.megatron_compat import MegatronCompatConfig
 from megatron_weipipe.shape import ModelShape, ffn_hidden_size
 
 @dataclass
@@ -237,6 +238,7 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fpdt: FPDTConfig = field(default_factory=FPDTConfig)
+    megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
     world_size: int = 1
 
     # --- derived -------------------------------------------------------------------
@@ -280,6 +282,7 @@ class PretrainConfig:
         t.validate()
         self.checkpoint.validate()
         self.logging.validate()
+        self.megatron.validate()
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             require(getattr(p, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
         require(self.world_size % p.model_parallel_size == 0,
