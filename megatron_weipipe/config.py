@@ -35,6 +35,9 @@ class ModelConfig:
     position_embedding_type: str = option("learned_absolute", help="learned_absolute, rope or none")
     rotary_base: int = option(10000, help="RoPE base")
     rotary_percent: float = option(1.0, help="fraction of each head's channels that RoPE rotates")
+    use_rope_scaling: bool = option(False, help="Llama-3.1 RoPE frequency scaling (low/high frequency factors 1 "
+                                                "and 4, original context 8192, as megatron-core applies it)")
+    rope_scaling_factor: float = option(8.0, help="factor of --use-rope-scaling")
     normalization: str = option("LayerNorm", help="LayerNorm or RMSNorm")
     norm_epsilon: float = option(1e-5, help="epsilon of the normalisation layers")
     swiglu: bool = option(False, help="gated SiLU MLP (Llama)")

@@ -31,7 +31,7 @@ MEGATRON_FLAGS = """
 --deterministic-mode --data-path --split --mock-data --data-cache-path --num-workers --reset-position-ids
 --reset-attention-mask --eod-mask-loss --tokenizer-type --tokenizer-model --vocab-size --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --ckpt-format --log-interval --tensorboard-dir
---log-throughput --timing-log-level --dist-ckpt-optim-fully-reshardable
+--log-throughput --timing-log-level --dist-ckpt-optim-fully-reshardable --use-rope-scaling --rope-scaling-factor
 """.split()
 
 

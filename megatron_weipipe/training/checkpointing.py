@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_weipipe import faults
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.context import RunContext
+from megatron_weipipe.flags import to_flags
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe.platform import Platform
 from megatron_weipipe.training import optimizer_checkpoint, safe_load
@@ -203,6 +204,7 @@ def save_checkpoint(
             "num_skipped_iterations": num_skipped_iterations,
             "layout": _layout(cfg),
             "model_shape": _model_shape(cfg),
+            "model_flags": to_flags(cfg.model),
         },
     )
     _avoid_result_manager_process()
@@ -246,6 +248,44 @@ def _model_shape(cfg: PretrainConfig) -> dict:
         "normalization": m.normalization,
         "position_embedding_type": m.position_embedding_type,
     }
+
+
+def save_weights(cfg: PretrainConfig, model_chunks, root: str, extra: Optional[dict] = None) -> str:
+    """A weights-only checkpoint (tracker ``release``): ``--load`` starts training from it at
+    step 0 with a fresh optimizer, under any layout."""
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_dir(root, 0)
+    if dist.get_rank() == 0:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+    dist.barrier()
+    state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
+    state.update(iteration=0, checkpoint_version=CHECKPOINT_VERSION, weights_only=True, layout=_layout(cfg),
+                 model_shape=_model_shape(cfg), model_flags=to_flags(cfg.model), **(extra or {}))
+    _avoid_result_manager_process()
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _fsync_dir(root)
+        tmp = os.path.join(root, f".{TRACKER}.tmp")
+        with open(tmp, "w") as f:
+            f.write("release")
+        os.replace(tmp, os.path.join(root, TRACKER))
+    dist.barrier()
+    return path
+
+
+def saved_common(root: str) -> dict:
+    """common.pt of the checkpoint ``root``'s tracker names (read as data only)."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        raise CheckpointError(f"{root}: no complete checkpoint ({TRACKER} is missing)")
+    try:
+        return safe_load.load_common(checkpoint_dir(root, iteration))
+    except ValueError as e:
+        raise CheckpointError(f"{root}: {e}") from None
 
 
 def find_checkpoint(cfg: PretrainConfig) -> Optional[str]:
@@ -311,7 +351,7 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
         if path is not None:
             common = _check_before_loading(cfg, path)
             problem = optimizer_checkpoint.check_resharding(common.get("layout", {}), _layout(cfg))
-            if with_optim and problem:
+            if with_optim and problem and not common.get("weights_only"):
                 raise CheckpointError(f"--load {path}: {problem}")
     except CheckpointError as e:
         error = str(e)
@@ -319,6 +359,9 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
     if path is None:
         return LoadedState()
     saved_layout = common.get("layout", {})
+    weights_only = bool(common.get("weights_only"))  # e.g. converted from Hugging Face: start at step 0
+    with_optim = with_optim and not weights_only
+    finetune = finetune or weights_only
     same_rng_layout = all(
         saved_layout.get(k) == v
         for k, v in _layout(cfg).items()
