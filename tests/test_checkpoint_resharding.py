@@ -25,6 +25,7 @@ from test_weipipe_gpt_common import RTOL, argv, merge, train
 DIST = dict(use_distributed_optimizer=True)
 FULL = dict(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
 PP2 = dict(pipeline_model_parallel_size=2)
+TP2 = dict(tensor_model_parallel_size=2, make_vocab_size_divisible_by=256)  # same padded vocabulary (512)
 VPP = dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)
 CP2 = dict(context_parallel_size=2)
 FPDT = dict(context_parallel_size=2, fpdt=True, fpdt_chunk_size=16)
@@ -47,6 +48,7 @@ RUNS = [
     ("dp1-plain<-dp2-dist", 1, {}, "dp2_dist", None),  # error: dp_reshardable into a plain optimizer
     ("dp4-dist<-dp2-dist", 4, DIST, "dp2_dist", None),
     ("1f1b-dp2-dist<-dp2-full", 4, {**PP2, **DIST}, "dp2_full", None),
+    ("tp2-dp2-dist<-dp2-full", 4, {**TP2, **DIST}, "dp2_full", None),
     ("1f1b-dp2-dist<-dp2-dist", 4, {**PP2, **DIST}, "dp2_dist", None),  # error: PP changed
     ("vpp-dp2-dist-save", 4, {**VPP, **DIST}, None, "vpp_dist"),
     ("vpp-dp2-dist<-vpp-dp2-dist", 4, {**VPP, **DIST}, "vpp_dist", None),

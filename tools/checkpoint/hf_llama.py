@@ -8,7 +8,6 @@ Hugging Face's q/k rows are already in the rotate-half order megatron-core's RoP
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -232,6 +231,3 @@ def shape_from_flags(flags: list[str], vocab_size: int) -> LlamaShape:
         model_type="qwen2" if "--add-qkv-bias" in flags else "llama",
     )
 
-
-def ceil_to(n: int, multiple: int) -> int:
-    return int(math.ceil(n / multiple) * multiple)
