@@ -24,6 +24,7 @@ from megatron_weipipe.config import (
 from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.flags import add_flags, from_args
 from megatron_weipipe.fpdt.config import FPDTConfig
+from megatron_weipipe.megatron_compat import MegatronCompatConfig
 
 # (PretrainConfig field, its dataclass, argument-group title), in --help order.
 SECTIONS = (
@@ -34,6 +35,7 @@ SECTIONS = (
     ("data", DataConfig, "data"),
     ("checkpoint", CheckpointConfig, "checkpointing"),
     ("logging", LoggingConfig, "logging"),
+    ("megatron", MegatronCompatConfig, "Megatron-LM compatibility (docs/megatron_flags.md)"),
 )
 
 

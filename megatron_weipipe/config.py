@@ -16,6 +16,7 @@ from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.errors import ConfigError, require
 from megatron_weipipe.flags import option
 from megatron_weipipe.fpdt.config import FPDTConfig
+from megatron_weipipe.megatron_compat import MegatronCompatConfig
 from megatron_weipipe.shape import ModelShape, ffn_hidden_size
 
 
@@ -35,6 +36,9 @@ class ModelConfig:
     position_embedding_type: str = option("learned_absolute", help="learned_absolute, rope or none")
     rotary_base: int = option(10000, help="RoPE base")
     rotary_percent: float = option(1.0, help="fraction of each head's channels that RoPE rotates")
+    use_rope_scaling: bool = option(False, help="Llama-3.1 RoPE frequency scaling (low/high frequency factors 1 "
+                                                "and 4, original context 8192, as megatron-core applies it)")
+    rope_scaling_factor: float = option(8.0, help="factor of --use-rope-scaling")
     normalization: str = option("LayerNorm", help="LayerNorm or RMSNorm")
     norm_epsilon: float = option(1e-5, help="epsilon of the normalisation layers")
     swiglu: bool = option(False, help="gated SiLU MLP (Llama)")
@@ -205,6 +209,10 @@ class CheckpointConfig:
     no_load_rng: bool = option(False, help="do not load the RNG state")
     finetune: bool = option(False, help="load weights only and start at step 0")
     ckpt_format: str = option("torch_dist", help="torch_dist (megatron-core dist_checkpointing)")
+    dist_ckpt_optim_fully_reshardable: bool = option(
+        False, help="save the distributed optimizer's state in parameter shapes (fully_reshardable): it then loads "
+                    "under other TP/PP/CP layouts and schedules and without --use-distributed-optimizer; the "
+                    "default (dp_reshardable) reshards only across data-parallel ranks")
 
     def validate(self) -> None:
         require(self.ckpt_format == "torch_dist", "--ckpt-format must be torch_dist")
@@ -245,6 +253,7 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fpdt: FPDTConfig = field(default_factory=FPDTConfig)
+    megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
     world_size: int = 1
 
     # --- derived -------------------------------------------------------------------
@@ -288,6 +297,7 @@ class PretrainConfig:
         t.validate()
         self.checkpoint.validate()
         self.logging.validate()
+        self.megatron.validate()
         p.validate()
         require(self.world_size % p.model_parallel_size == 0,
                 f"world size ({self.world_size}) must be divisible by tensor x pipeline x context "

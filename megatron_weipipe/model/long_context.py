@@ -65,7 +65,8 @@ def build_settings(cfg: PretrainConfig) -> LongContextSettings:
 def _rotary(cfg: PretrainConfig) -> Optional[RotaryConfig]:
     if cfg.model.position_embedding_type != "rope":
         return None
-    return RotaryConfig(base=cfg.model.rotary_base, percent=cfg.model.rotary_percent)
+    return RotaryConfig(base=cfg.model.rotary_base, percent=cfg.model.rotary_percent,
+                        rope_scaling=cfg.model.use_rope_scaling, rope_scaling_factor=cfg.model.rope_scaling_factor)
 
 
 def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings):

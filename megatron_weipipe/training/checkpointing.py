@@ -23,14 +23,16 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megatron_weipipe import faults
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.context import RunContext
+from megatron_weipipe.flags import to_flags
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe.platform import Platform
-from megatron_weipipe.training import safe_load
+from megatron_weipipe.training import optimizer_checkpoint, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,8 @@ def _layout(cfg: PretrainConfig) -> dict:
         "context_parallel_size": p.context_parallel_size,
         "world_size": cfg.world_size,
         "pipeline_schedule": cfg.schedule_name,
+        "virtual_pipeline_size": p.virtual_pipeline_size(cfg.model.num_layers),
+        "optimizer": optimizer_checkpoint.optimizer_layout(cfg),
     }
 
 
@@ -136,13 +140,18 @@ def _model_keys(model_chunks) -> list[str]:
     return ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
 
 
-def _sharded_state(cfg, ctx: RunContext, model_chunks, optimizer, scheduler, *, is_loading: bool, with_optim: bool,
-                   with_rng: bool, extra: Optional[dict] = None) -> dict:
+def _sharded_state(cfg, ctx: RunContext, model_chunks, optimizer, scheduler, *, with_optim: bool, with_rng: bool,
+                   extra: Optional[dict] = None, load_optimizer=None) -> dict:
+    """The sharded state to save, or (``load_optimizer(state)`` given) to request when loading."""
     state: dict = {}
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         state[key] = unwrap(chunk).sharded_state_dict()
     if with_optim and optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        if load_optimizer is None:
+            state["optimizer"] = optimizer_checkpoint.save_state(optimizer, state, cfg)
+        else:
+            key, request = load_optimizer(state)
+            state[key] = request
         state["opt_param_scheduler"] = scheduler.state_dict() if scheduler is not None else {}
     if with_rng:
         state["rng_state"] = _rng_state(ctx.groups, ctx.platform)
@@ -185,8 +194,9 @@ def save_checkpoint(
         os.makedirs(partial)
     dist.barrier()
     state = _sharded_state(
-        cfg, ctx, model_chunks, optimizer, scheduler, is_loading=False, with_optim=True, with_rng=True,
+        cfg, ctx, model_chunks, optimizer, scheduler, with_optim=True, with_rng=True,
         extra={
+            "optimizer_step": optimizer_checkpoint.adam_step(optimizer) if optimizer is not None else None,
             "iteration": iteration,
             "checkpoint_version": CHECKPOINT_VERSION,
             "consumed_train_samples": consumed_train_samples,
@@ -194,6 +204,7 @@ def save_checkpoint(
             "num_skipped_iterations": num_skipped_iterations,
             "layout": _layout(cfg),
             "model_shape": _model_shape(cfg),
+            "model_flags": to_flags(cfg.model),
         },
     )
     _avoid_result_manager_process()
@@ -237,6 +248,44 @@ def _model_shape(cfg: PretrainConfig) -> dict:
         "normalization": m.normalization,
         "position_embedding_type": m.position_embedding_type,
     }
+
+
+def save_weights(cfg: PretrainConfig, model_chunks, root: str, extra: Optional[dict] = None) -> str:
+    """A weights-only checkpoint (tracker ``release``): ``--load`` starts training from it at
+    step 0 with a fresh optimizer, under any layout."""
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_dir(root, 0)
+    if dist.get_rank() == 0:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+    dist.barrier()
+    state = {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
+    state.update(iteration=0, checkpoint_version=CHECKPOINT_VERSION, weights_only=True, layout=_layout(cfg),
+                 model_shape=_model_shape(cfg), model_flags=to_flags(cfg.model), **(extra or {}))
+    _avoid_result_manager_process()
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _fsync_dir(root)
+        tmp = os.path.join(root, f".{TRACKER}.tmp")
+        with open(tmp, "w") as f:
+            f.write("release")
+        os.replace(tmp, os.path.join(root, TRACKER))
+    dist.barrier()
+    return path
+
+
+def saved_common(root: str) -> dict:
+    """common.pt of the checkpoint ``root``'s tracker names (read as data only)."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        raise CheckpointError(f"{root}: no complete checkpoint ({TRACKER} is missing)")
+    try:
+        return safe_load.load_common(checkpoint_dir(root, iteration))
+    except ValueError as e:
+        raise CheckpointError(f"{root}: {e}") from None
 
 
 def find_checkpoint(cfg: PretrainConfig) -> Optional[str]:
@@ -294,28 +343,41 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
     """Restore model, optimizer, LR schedule, RNG and data position from ``--load``."""
     from megatron.core import dist_checkpointing
 
+    finetune = cfg.checkpoint.finetune
+    with_optim = not (cfg.checkpoint.no_load_optim or finetune)
     error, path, common = None, None, {}
     try:
         path = find_checkpoint(cfg)
         if path is not None:
             common = _check_before_loading(cfg, path)
+            problem = optimizer_checkpoint.check_resharding(common.get("layout", {}), _layout(cfg))
+            if with_optim and problem and not common.get("weights_only"):
+                raise CheckpointError(f"--load {path}: {problem}")
     except CheckpointError as e:
         error = str(e)
     _agree(error)
     if path is None:
         return LoadedState()
     saved_layout = common.get("layout", {})
+    weights_only = bool(common.get("weights_only"))  # e.g. converted from Hugging Face: start at step 0
+    with_optim = with_optim and not weights_only
+    finetune = finetune or weights_only
     same_rng_layout = all(
         saved_layout.get(k) == v
         for k, v in _layout(cfg).items()
         if k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size")
     )
-    finetune = cfg.checkpoint.finetune
-    with_optim = not (cfg.checkpoint.no_load_optim or finetune)
     with_rng = same_rng_layout and not (cfg.checkpoint.no_load_rng or finetune)
-    sharded = _sharded_state(
-        cfg, ctx, model_chunks, optimizer, scheduler, is_loading=True, with_optim=with_optim, with_rng=with_rng
-    )
+    optimizer_key, apply_optimizer = "optimizer", None
+
+    def load_optimizer(model_state):
+        nonlocal optimizer_key, apply_optimizer
+        optimizer_key, request, apply_optimizer = optimizer_checkpoint.load_request(
+            optimizer, model_state, saved_layout, _layout(cfg), common.get("optimizer_step"))
+        return optimizer_key, request
+
+    sharded = _sharded_state(cfg, ctx, model_chunks, optimizer, scheduler, with_optim=with_optim, with_rng=with_rng,
+                             load_optimizer=load_optimizer)
     try:
         with safe_load.safe_byte_objects():
             state = dist_checkpointing.load(sharded, path, common_strategy=safe_load.common_strategy())
@@ -324,7 +386,8 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         unwrap(chunk).load_state_dict(state[key], strict=True)
     if with_optim:
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # the state is copied into the optimizer's leaf parameters in place
+            apply_optimizer(state[optimizer_key])
         if scheduler is not None and state.get("opt_param_scheduler"):
             scheduler.load_state_dict(state["opt_param_scheduler"])
     if not with_rng and not finetune and dist.get_rank() == 0:

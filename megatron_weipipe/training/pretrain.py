@@ -260,7 +260,7 @@ def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provi
     data_rank, data_size, n_mb = schedule.data_shard()
     if train_ds is None and t.train_iters > 0 and not t.skip_train:
         raise ValueError(f"--split {cfg.data.split} leaves no training data")
-    train_iter = iter(
+    train_iter = None if train_ds is None else iter(
         build_data_loader(
             train_ds, t.micro_batch_size, state.consumed_train_samples, data_rank, data_size, cfg.data.num_workers,
             pin_memory=ctx.platform.pin_memory,
@@ -393,6 +393,9 @@ def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provi
                 print_rank_0(f"> exiting at iteration {state.iteration} ({exit_now}: {what}; {where})")
                 break
 
+        if t.skip_train and valid_iter is not None:  # Megatron-LM: --skip-train still evaluates
+            faults.set_phase("validation", state.iteration)
+            _run_validation(cfg, groups, schedule, forward_step, valid_iter, n_mb, state, tb)
         if cfg.checkpoint.save and state.iteration > 0 and state.last_saved_iteration != state.iteration:
             _save(cfg, ctx, state, model_chunks, optimizer, scheduler)
         faults.set_phase("shutdown", state.iteration)

@@ -1,0 +1,93 @@
+"""Flags of Megatron-LM's launch scripts that this package accepts so the scripts run unchanged.
+
+Two kinds (docs/megatron_flags.md lists them): flags that change nothing here, because
+they select kernels, fusions, overlaps or GPU memory handling that compute the same
+math (accepted, no effect); and flags that would change the math or need something this
+package does not have (refused at start-up with one line naming the flag).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from megatron_weipipe.errors import ConfigError
+from megatron_weipipe.flags import flag_name, flag_spec, option
+
+_NOOP = "accepted from Megatron-LM; changes nothing here"
+
+
+def _noop(why: str, default=False, **kw):
+    return option(default, help=f"{_NOOP} ({why})", **kw)
+
+
+def _refused(why: str, default=None, **kw):
+    return option(default, help=f"not supported here: {why}", **kw)
+
+
+@dataclass
+class MegatronCompatConfig:
+    # --- accepted, no effect ------------------------------------------------------
+    use_mcore_models: bool = _noop("the model is always megatron-core's GPTModel")
+    use_flash_attn: bool = _noop("attention kernel choice; the same softmax attention is computed")
+    attention_backend: Optional[str] = _noop("attention kernel choice", default=None,
+                                             choices=("flash", "fused", "unfused", "local", "auto"))
+    no_masked_softmax_fusion: bool = _noop("kernel fusion")
+    no_bias_gelu_fusion: bool = _noop("kernel fusion")
+    no_bias_swiglu_fusion: bool = _noop("kernel fusion")
+    no_bias_dropout_fusion: bool = _noop("kernel fusion")
+    no_rope_fusion: bool = _noop("kernel fusion")
+    no_gradient_accumulation_fusion: bool = _noop("kernel fusion")
+    cross_entropy_loss_fusion: bool = _noop("kernel fusion")
+    no_async_tensor_model_parallel_allreduce: bool = _noop("communication overlap")
+    tp_comm_overlap: bool = _noop("communication overlap (Transformer Engine)")
+    overlap_param_gather: bool = _noop("communication overlap of the distributed optimizer's all-gather")
+    accumulate_allreduce_grads_in_fp32: bool = _noop("gradients are always reduced in fp32 here")
+    recompute_activations: bool = _noop("selective recomputation saves GPU memory; use --recompute-granularity "
+                                        "full to recompute here")
+    manual_gc: bool = _noop("Python garbage-collection timing")
+    manual_gc_interval: int = _noop("Python garbage-collection timing", default=0)
+    empty_unused_memory_level: int = _noop("CUDA caching-allocator handling", default=0)
+    no_create_attention_mask_in_dataloader: bool = _noop("causal masks are built by the model")
+    no_mmap_bin_files: bool = _noop("how the indexed dataset is read")
+    ckpt_fully_parallel_save: bool = _noop("checkpoint writing strategy")
+    ckpt_fully_parallel_load: bool = _noop("checkpoint reading strategy")
+    ckpt_assume_constant_structure: bool = _noop("checkpoint caching")
+    async_save: bool = _noop("checkpoints are written synchronously")
+    use_dist_ckpt: bool = _noop("checkpoints are always torch_dist")
+    log_timers_to_tensorboard: bool = _noop("logging")
+    log_validation_ppl_to_tensorboard: bool = _noop("logging")
+    log_memory_to_tensorboard: bool = _noop("logging")
+    # --- refused: one line naming the flag ----------------------------------------
+    fp8_format: Optional[str] = _refused("FP8 needs Transformer Engine on Hopper-class GPUs")
+    use_torch_fsdp2: bool = _refused("FSDP is not one of this package's data-parallel modes "
+                                     "(use --use-distributed-optimizer)", default=False)
+    use_megatron_fsdp: bool = _refused("FSDP is not one of this package's data-parallel modes "
+                                       "(use --use-distributed-optimizer)", default=False)
+    use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
+    rampup_batch_size: Optional[list[int]] = _refused("batch-size ramp-up changes the math; use a fixed "
+                                                      "--global-batch-size")
+    decoupled_lr: Optional[float] = _refused("a separate learning rate for the embedding and output layer")
+    train_samples: Optional[int] = _refused("sample-based schedules; give --train-iters (samples / global batch)")
+    calculate_per_token_loss: bool = _refused("normalising the loss by the tokens of the whole batch changes "
+                                              "the loss and gradients", default=False)
+    grad_reduce_in_bf16: bool = _refused("gradients are reduced in fp32 here", default=False)
+    wandb_project: Optional[str] = _refused("Weights & Biases logging; use --tensorboard-dir")
+    profile: bool = _refused("the Nsight/torch profiler hooks; run under torch.profiler or nsys yourself",
+                             default=False)
+
+    def validate(self) -> None:
+        for f in fields(self):
+            help_text = flag_spec(f).help
+            if help_text.startswith("not supported here") and getattr(self, f.name) not in (None, False):
+                raise ConfigError(f"{flag_name(f)} is not supported here: {help_text[len('not supported here: '):]}")
+
+    @staticmethod
+    def accepted() -> list[str]:
+        return [flag_name(f) for f in fields(MegatronCompatConfig)
+                if flag_spec(f).help.startswith(_NOOP)]
+
+    @staticmethod
+    def refused() -> list[str]:
+        return [flag_name(f) for f in fields(MegatronCompatConfig)
+                if flag_spec(f).help.startswith("not supported")]
