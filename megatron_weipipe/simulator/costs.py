@@ -6,13 +6,14 @@ Megatron does not overlap), or a HostCalibration of this machine.
 
 A split backward (weipipe-zb's BACKWARD_INPUT / BACKWARD_WEIGHT) is priced the way the
 runtime's `weight_pass` runs it:
-- "stored" (what GPT training uses): I computes both gradients in one pass (a full
-  backward), W only adds the stored weight gradient to the travelling token;
+- "stored": I computes both gradients in one pass (a full backward), W only adds the
+  stored weight gradient to the travelling token;
 - "replay": I is an input-gradient pass keeping the graph, W a second autograd pass,
   which for k layers redoes the full backward of the k-1 upper layers (to reach the
   lower layers' weights) and the weight part of the bottom one;
-- "ideal": a per-layer weight-gradient kernel (Transformer Engine's delayed wgrad): I
-  and W cost their own FLOPs, as the schedule assumes.
+- "ideal": a per-layer weight-gradient kernel (GPT training's deferred weight GEMMs,
+  Transformer Engine's delayed wgrad): I and W cost their own FLOPs, as the schedule
+  assumes.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ class SimulationOptions:
     zero3: bool = option(False, help="memory as DeepSpeed ZeRO-3 keeps it (weights, grads, Adam sharded over DP x CP)")
     weipipe_weight_pass: str = option(
         "stored", choices=("stored", "replay", "ideal"),
-        help="how weipipe-zb's split backward runs: stored (the runtime's GPT training: I does both gradients, W "
-             "adds them), replay (W is a second autograd pass), ideal (a per-layer weight-gradient kernel)")
+        help="how weipipe-zb's split backward is priced: stored (I does both gradients, W adds them), replay (W "
+             "is a second autograd pass), ideal (per-layer weight-gradient kernels, as GPT training's deferred "
+             "weight GEMMs run; FLOP-based costs only)")
     fpdt_offload_checkpoints: bool = option(
         False, help="layer-input checkpoints in host memory (implies full recomputation)")
 
