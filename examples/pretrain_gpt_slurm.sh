@@ -23,6 +23,7 @@ IMAGE=${IMAGE:-}  # optional container image (enroot/pyxis), e.g. the one built 
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
+export PYTHONUNBUFFERED=1  # log lines reach the output file as they are printed
 # Resources and model, overridable for a CPU run (examples/slurm_cpu.sh): processes per node,
 # the model and parallelism flags, the data flags.
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_PER_NODE:-8}}

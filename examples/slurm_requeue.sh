@@ -36,6 +36,7 @@ MAX_CRASH_RESTARTS=${MAX_CRASH_RESTARTS:-3}
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
+export PYTHONUNBUFFERED=1  # log lines reach the output file as they are printed
 # Resources and model, overridable for a CPU run (examples/slurm_cpu.sh).
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_PER_NODE:-8}}
 MODEL_ARGS=(${MODEL_ARGS:-

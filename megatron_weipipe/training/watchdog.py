@@ -133,6 +133,10 @@ class Watchdog:
         self._neighbour_beats = -1
         self._neighbour_seen = time.monotonic()
         self._store_errors = 0
+        self._tick_started: Optional[float] = None
+        # A store call on a connection whose packets vanish (a cut link) never returns:
+        # TCPStore's timeout does not cover it. The overseer thread ends the rank then.
+        self.store_answer_timeout = max(10.0, 3 * interval)
 
     # --- store access (the main thread uses it too, while reporting a failure) ------------
     def _add(self, key: str, n: int) -> int:
@@ -169,6 +173,7 @@ class Watchdog:
         self._publish_phase()
         self._thread = threading.Thread(target=self._run, name="megatron-weipipe-watchdog", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._oversee, name="megatron-weipipe-watchdog-overseer", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -262,12 +267,23 @@ class Watchdog:
             self._set(f"phase/{self.rank}", phase)
             self._published_phase = phase
 
+    def _oversee(self) -> None:
+        while not self._stop.wait(self.interval):
+            started = self._tick_started
+            if started is not None and time.monotonic() - started > 2 * self.store_answer_timeout:
+                if not self._stop.is_set():
+                    self._terminate(f"lost the rendezvous store hosted by {self.store_owner}: no answer for "
+                                    f"{time.monotonic() - started:.0f}s; its host is unreachable or hangs")
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
+                self._tick_started = time.monotonic()
                 self._tick()
+                self._tick_started = None
                 self._store_errors = 0
             except Exception as e:  # the store (rank 0 or the launcher) is unreachable
+                self._tick_started = None
                 self._store_errors += 1
                 if self._store_errors >= 2 and not self._stop.is_set():
                     self._terminate(f"lost the rendezvous store hosted by {self.store_owner} "
