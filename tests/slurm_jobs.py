@@ -37,7 +37,7 @@ class BatchJob:
     """One submission; ``text()`` is its output file (all runs of a requeued job, appended)."""
 
     def __init__(self, cluster, script: str, workdir: str, env: Optional[dict] = None,
-                 sbatch_args: tuple = (), submit_netns: Optional[str] = None):
+                 sbatch_args: tuple = ()):
         self.cluster = cluster
         self.out = os.path.join(workdir, "job.out")
         self.ckpt = os.path.join(workdir, "ckpt")
@@ -46,8 +46,8 @@ class BatchJob:
                    "MEGATRON_WEIPIPE_WATCHDOG_INTERVAL": "0.2", **(env or {})}
         cmd = ["bash", CPU_SUBMIT, os.path.join(ROOT, script), "--parsable", f"--output={self.out}",
                f"--job-name={os.path.basename(workdir)}", *sbatch_args]
-        if submit_netns:
-            cmd = ["ip", "netns", "exec", submit_netns, *cmd]
+        if cluster.wrap:  # submitted from the controller's host
+            cmd = cluster.wrap(cmd)
         self.submitted = time.monotonic()
         r = subprocess.run(cmd, env=job_env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, f"sbatch failed: {r.stderr}"
@@ -114,3 +114,37 @@ class BatchJob:
     def wait_done(self, timeout: float) -> dict:
         return self.cluster.wait_state(self.id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"},
                                        timeout)
+
+
+def report(name: str, seconds: float) -> None:
+    print(f"[slurm timing] {name}: {seconds:.1f} s")
+
+
+def preempt_and_finish(job: BatchJob, hold_s: float) -> list[str]:
+    """SIGTERM to the batch shell while the save of iteration 5 is held (the job was submitted
+    with MEGATRON_WEIPIPE_TEST_SLOW_SAVE=<hold_s>:5), then requeue and run to the end.
+    Checks the job's own account of it; returns the output of its two runs."""
+    cluster = job.cluster
+    first = job.wait_line(r"iteration\s+1/", 240)
+    report("submit to first iteration", first - job.submitted)
+    job.wait_line(r"\[test hook\] rank \d+ pausing", 120)
+    t_signal = time.monotonic()
+    cluster.run(["scancel", "--signal=TERM", "--batch", str(job.id)])
+    job.wait_line(r"exiting at iteration \d+ \(signal", hold_s + 120)
+    cluster.wait_state(job.id, {"PENDING", "REQUEUED", "REQUEUE_HOLD"}, 120, release=False)
+    report("signal to requeued, less the held save", time.monotonic() - t_signal - hold_s)
+    t_release = time.monotonic()
+    cluster.release(job.id)
+    job.wait_line(r"iteration\s+7/", 240)
+    report("requeue to first resumed iteration (2 s of it before the release)", time.monotonic() - t_release)
+    info = job.wait_done(240)
+    text = job.text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-3000:]
+    runs = job.runs()
+    assert len(runs) == 2, text[-3000:]
+    assert "exiting at iteration 6 (signal: SIGTERM received" in runs[0], runs[0][-3000:]
+    assert "step exited with status 0; latest checkpoint at iteration 6 of" in runs[0]
+    assert "requeueing job" in runs[0]
+    assert f"loaded checkpoint from {job.ckpt} at iteration 6" in runs[1], runs[1][-3000:]
+    assert f"latest checkpoint at iteration {TRAIN_ITERS} of {TRAIN_ITERS}" in runs[1]
+    return runs

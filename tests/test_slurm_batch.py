@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from slurm_jobs import TRAIN_ITERS, BatchJob, skip_reason
+from slurm_jobs import TRAIN_ITERS, BatchJob, preempt_and_finish, report, skip_reason
 from test_faults_util import losses
 
 _reason = skip_reason()
@@ -50,36 +50,11 @@ def reference(cluster, tmp_path_factory):
     return get
 
 
-def _report(name: str, seconds: float) -> None:
-    print(f"[slurm timing] {name}: {seconds:.1f} s")
-
-
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_preempted_job_requeues_resumes_and_matches_uninterrupted(cluster, reference, tmp_path, script):
     job = BatchJob(cluster, script, str(tmp_path), env={"MEGATRON_WEIPIPE_TEST_SLOW_SAVE": f"{HOLD_S}:5"})
-    first = job.wait_line(r"iteration\s+1/", 240)
-    _report("submit to first iteration", first - job.submitted)
-    job.wait_line(r"\[test hook\] rank \d+ pausing", 120)
-    t_signal = time.monotonic()
-    cluster.run(["scancel", "--signal=TERM", "--batch", str(job.id)])
-    job.wait_line(r"exiting at iteration \d+ \(signal", HOLD_S + 120)
-    info = cluster.wait_state(job.id, {"PENDING", "REQUEUED", "REQUEUE_HOLD"}, 120, release=False)
-    _report("signal to requeued, less the held save", time.monotonic() - t_signal - HOLD_S)
-    t_release = time.monotonic()
-    cluster.release(job.id)
-    job.wait_line(r"iteration\s+7/", 240)
-    _report("requeue to first resumed iteration (2 s of it before the release)", time.monotonic() - t_release)
-    info = job.wait_done(240)
-    text = job.text()
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-3000:]
-    runs = job.runs()
-    assert len(runs) == 2, text[-3000:]
-    assert "exiting at iteration 6 (signal: SIGTERM received" in runs[0], runs[0][-3000:]
-    assert "step exited with status 0; latest checkpoint at iteration 6 of" in runs[0]
-    assert "requeueing job" in runs[0]
-    assert f"loaded checkpoint from {job.ckpt} at iteration 6" in runs[1], runs[1][-3000:]
-    assert f"latest checkpoint at iteration {TRAIN_ITERS} of {TRAIN_ITERS}" in runs[1]
+    preempt_and_finish(job, HOLD_S)
     # Iteration by iteration, to the printed digits: the requeued job is the uninterrupted one.
     assert job.losses() == reference()
     assert sorted(os.listdir(job.ckpt)) == ["iter_0000005", "iter_0000006", "iter_0000010", "iter_0000015",
@@ -98,7 +73,7 @@ def test_crash_restarts_from_last_checkpoint_then_gives_up(cluster, reference, t
         t_kill = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         job.wait_line(r"step exited with status", 120, count=run)
-        _report(f"SIGKILL of a rank to step exit (run {run})", time.monotonic() - t_kill)
+        report(f"SIGKILL of a rank to step exit (run {run})", time.monotonic() - t_kill)
         if run == 1:
             cluster.wait_state(job.id, {"PENDING", "RUNNING"}, 120)  # requeued, released at once
     info = job.wait_done(120)

@@ -6,7 +6,9 @@ over a veth link, each host with its own hostname (so the watchdog takes its cro
 heartbeat path, not the same-host pid check). Checked: a pipeline across the two hosts
 matches the single-process reference; killing every process of one host, or cutting
 its link, ends every rank on both within the documented bound with a message naming
-the lost rank.
+the lost rank. And a SLURM cluster whose two nodes are these hosts (slurmctld and one
+slurmd on each): the batch script runs across them, is preempted, requeues, resumes and
+matches a one-node job.
 """
 
 import os
@@ -22,6 +24,8 @@ import pytest
 from test_faults_util import PRETRAIN, ROOT, losses, tiny_args
 
 import netns
+from slurm_jobs import BatchJob, preempt_and_finish
+from slurm_jobs import skip_reason as slurm_skip_reason
 
 _reason = netns.available()
 pytestmark = [pytest.mark.two_nodes, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
@@ -202,3 +206,25 @@ def test_cut_link_stops_both_hosts_naming_the_lost_rank(testbed):
     assert f"error: [rank {ranks[1]}] lost the rendezvous store" in out1, out1[-4000:]
     # torchrun's agent on the cut-off host would wait on the store for ever: the launcher ends it.
     assert "error: [launcher] this host's ranks exited" in out1, out1[-4000:]
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(slurm_skip_reason() is not None, reason=slurm_skip_reason() or "")
+def test_slurm_job_across_two_hosts_preempted_requeued_matches_one_host(testbed, tmp_path):
+    import functools
+
+    from local_slurm import LocalSlurm, Node
+
+    nodes = [Node(testbed.names[i], testbed.addr(i), functools.partial(testbed.command, i)) for i in (0, 1)]
+    for d in ("cluster", "two", "one"):
+        (tmp_path / d).mkdir()
+    with LocalSlurm(str(tmp_path / "cluster"), nodes=nodes) as cluster:
+        one = BatchJob(cluster, "examples/pretrain_gpt_slurm.sh", str(tmp_path / "one"))  # 2 ranks on one node
+        two = BatchJob(cluster, "examples/pretrain_gpt_slurm.sh", str(tmp_path / "two"),
+                       env={"NODES": "2", "NPROC_PER_NODE": "1", "MEGATRON_WEIPIPE_TEST_SLOW_SAVE": "6:5"})
+        runs = preempt_and_finish(two, 6)
+        assert "world size 2 on 2 nodes" in runs[0]
+        info = one.wait_done(300)
+        assert info["JobState"] == "COMPLETED", one.text()[-3000:]
+    assert two.losses() == one.losses() and len(one.losses()) == 24

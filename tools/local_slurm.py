@@ -3,8 +3,8 @@
 Everything lives in one temporary directory (configuration, state, spool, logs), the
 daemons listen on ports of their own, and authentication is off (``auth/none``), so it
 touches nothing of a real installation. Nodes are either this host (``127.0.0.1``) or
-network namespaces made by ``tools/netns.py`` (one slurmd inside each, the controller
-inside the first). Each daemon runs under a small supervisor process (this file with
+hosts of a ``tools/netns.py`` testbed (``Node(wrap=testbed.command-for-that-host)``: one
+slurmd inside each, the controller and client commands inside the first). Each daemon runs under a small supervisor process (this file with
 ``--supervise``) that adopts everything the daemon forks (slurmstepd, the job's
 processes), so that stopping the cluster kills exactly what it started, by PID.
 
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun")
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
@@ -48,18 +48,18 @@ def _free_port() -> int:
 class Node:
     name: str
     addr: str = "127.0.0.1"
-    netns: Optional[str] = None  # run slurmd inside this network namespace (tools/netns.py)
+    wrap: Optional[Callable[[list], list]] = None  # argv -> argv run on this host (tools/netns.py)
 
 
 class LocalSlurm:
     """Start with ``start()`` (or ``with``); ``stop()`` cancels every job and kills every daemon."""
 
     def __init__(self, workdir: str, nodes: Sequence[Node] = (Node("localhost"),), cpus: int = 64,
-                 gpus: int = 0, memory_mb: int = 16000, controller_netns: Optional[str] = None):
+                 gpus: int = 0, memory_mb: int = 16000):
         self.dir = os.path.abspath(workdir)
         self.nodes = list(nodes)
         self.cpus, self.gpus, self.memory_mb = cpus, gpus, memory_mb
-        self.controller_netns = controller_netns if controller_netns else self.nodes[0].netns
+        self.wrap = self.nodes[0].wrap  # the controller and client commands run on the first node
         self.conf = os.path.join(self.dir, "slurm.conf")
         self._daemons: list[subprocess.Popen] = []
         self._logs: list = []
@@ -68,11 +68,12 @@ class LocalSlurm:
     def _write_config(self) -> None:
         for sub in ("state", "spool", "log"):
             os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-        ctl_addr = self.nodes[0].addr if self.controller_netns else "127.0.0.1"
+        ctl_addr = self.nodes[0].addr if self.wrap else "127.0.0.1"
+        ctl_host = self.nodes[0].name if self.wrap else socket.gethostname()
         d = self.dir
         lines = [
             "ClusterName=localtest",
-            f"SlurmctldHost={socket.gethostname()}({ctl_addr})", "MailProg=/bin/true",
+            f"SlurmctldHost={ctl_host}({ctl_addr})", "MailProg=/bin/true",
             f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
             "AuthType=auth/none", "CredType=cred/none", "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool/%n",
@@ -104,10 +105,10 @@ class LocalSlurm:
         return dict(os.environ, SLURM_CONF=self.conf)
 
     # --- daemons ------------------------------------------------------------------------
-    def _spawn(self, argv: list[str], netns: Optional[str], log_name: str) -> subprocess.Popen:
+    def _spawn(self, argv: list[str], wrap, log_name: str) -> subprocess.Popen:
         cmd = [sys.executable, os.path.abspath(__file__), "--supervise", *argv]
-        if netns:
-            cmd = ["ip", "netns", "exec", netns, *cmd]
+        if wrap:
+            cmd = wrap(cmd)
         log = open(os.path.join(self.dir, "log", log_name), "ab")
         self._logs.append(log)
         p = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -117,9 +118,9 @@ class LocalSlurm:
     def start(self, timeout: float = 60) -> "LocalSlurm":
         self._write_config()
         try:
-            self._spawn(["slurmctld", "-D", "-c", "-i", "-f", self.conf], self.controller_netns, "slurmctld.out")
+            self._spawn(["slurmctld", "-D", "-c", "-i", "-f", self.conf], self.wrap, "slurmctld.out")
             for n in self.nodes:
-                self._spawn(["slurmd", "-D", "-f", self.conf, "-N", n.name], n.netns, f"slurmd-{n.name}.out")
+                self._spawn(["slurmd", "-D", "-f", self.conf, "-N", n.name], n.wrap, f"slurmd-{n.name}.out")
             self._wait_idle(timeout)
         except BaseException:
             self.stop()
@@ -181,11 +182,10 @@ class LocalSlurm:
         self.stop()
 
     # --- commands -----------------------------------------------------------------------
-    def run(self, argv: list[str], check: bool = True, timeout: float = 30, env: Optional[dict] = None,
-            netns: Optional[str] = None) -> subprocess.CompletedProcess:
-        """A SLURM client command against this cluster (from the controller's namespace)."""
-        netns = netns if netns is not None else self.controller_netns
-        cmd = ["ip", "netns", "exec", netns, *argv] if netns else list(argv)
+    def run(self, argv: list[str], check: bool = True, timeout: float = 30,
+            env: Optional[dict] = None) -> subprocess.CompletedProcess:
+        """A SLURM client command against this cluster (on the controller's host)."""
+        cmd = self.wrap(list(argv)) if self.wrap else list(argv)
         r = subprocess.run(cmd, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip()}")

@@ -10,7 +10,8 @@
 Each host is a namespace with loopback and one interface ``eth0`` at ``10.213.<net>.<i+1>/24``,
 whose veth peer sits on a bridge in a hub namespace of the testbed; nothing is added to
 the machine's own network namespace, so traffic can only reach addresses assigned here.
-Host names (``<name>``) resolve inside every host through ``/etc/netns/<ns>/hosts``.
+Host names (``<name>``) resolve inside every host through ``/etc/netns/<ns>/hosts``,
+bound over /etc/hosts for the commands run there.
 Names carry the creating process's pid: ``remove_stale()`` deletes testbeds whose
 creator is gone (after a SIGKILL), by name. Needs root and iproute2 (``ip``, ``tc``);
 ``unshare`` gives each command its host's name (``socket.gethostname()``).
@@ -35,7 +36,7 @@ def available() -> Optional[str]:
     """None when testbeds can be made here, else the reason why not."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool in ("ip", "tc", "unshare"):
+    for tool in ("ip", "tc", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (iproute2 / util-linux)"
     return None
@@ -136,9 +137,12 @@ class Testbed:
 
     # --- running things -----------------------------------------------------------------
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` wrapped to run on host ``i``: its network namespace and its own hostname."""
-        return ["ip", "netns", "exec", self.ns[i], "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.names[i], *argv]
+        """``argv`` wrapped to run on host ``i``: its network namespace, its own hostname and
+        /etc/hosts. (Not ``ip netns exec``: that remounts /sys, hiding /sys/fs/cgroup, which
+        slurmd needs.) The wrappers exec, so the returned process is ``argv`` itself."""
+        return ["nsenter", f"--net=/run/netns/{self.ns[i]}", "unshare", "--uts", "--mount", "sh", "-c",
+                'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"',
+                self.names[i], f"/etc/netns/{self.ns[i]}/hosts", *argv]
 
     def popen(self, i: int, argv: Sequence[str], **kw) -> subprocess.Popen:
         """Start ``argv`` on host ``i`` in a session of its own; ``destroy`` kills its group."""

@@ -190,7 +190,9 @@ class Watchdog:
         it, in which case this thread exits the process itself with that message.
         """
         if is_communication_error(exc):
-            deadline = time.monotonic() + self.heartbeat_timeout + 2 * self.interval
+            # A peer on another host is named only after heartbeat_timeout of silence,
+            # counted from its last beat (before this error): leave room for late polls.
+            deadline = time.monotonic() + self.heartbeat_timeout + max(2.0, 5 * self.interval)
             while time.monotonic() < deadline:
                 found = self._safe(self._first_failure)
                 if found is not None:
