@@ -14,6 +14,8 @@ store, or rank 0's TCPStore) over its own connection:
   wedged neighbour on the same host is SIGKILLed). Either way the watcher publishes the
   failure on the neighbour's behalf, naming the phase of its last heartbeat;
 - it exits if the launcher that started this rank is gone, or the store is.
+  A store call over a cut link never returns, so a second thread ends the rank when
+  one has gone unanswered for twice the store timeout.
 
 A rank that raises publishes first (``report_failure``), so its peers leave within
 one poll interval instead of waiting for a collective timeout. Settings come from
