@@ -89,14 +89,15 @@ class BatchJob:
         return losses(self.text())
 
     def rank_pids(self) -> dict[int, int]:
-        """Global rank -> pid of this job's training processes (only this job's)."""
+        """Global rank -> pid of this job's training processes (this cluster's, this job's)."""
         out = {}
         for p in psutil.process_iter(["cmdline"]):
             try:
                 if not any(a.endswith("pretrain_gpt.py") for a in p.info["cmdline"] or []):
                     continue
                 env = p.environ()
-                if env.get("SLURM_JOB_ID") == str(self.id) and "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+                ours = env.get("SLURM_CONF") == self.cluster.conf and env.get("SLURM_JOB_ID") == str(self.id)
+                if ours and "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
                     out[int(env["RANK"])] = p.pid
             except psutil.Error:
                 pass
