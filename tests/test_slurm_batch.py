@@ -29,8 +29,15 @@ SCRIPTS = ["examples/pretrain_gpt_slurm.sh", "examples/slurm_requeue.sh"]
 def cluster(tmp_path_factory):
     from local_slurm import LocalSlurm
 
-    with LocalSlurm(str(tmp_path_factory.mktemp("slurm"))) as c:
+    import psutil
+
+    c = LocalSlurm(str(tmp_path_factory.mktemp("slurm"))).start()
+    try:
         yield c
+    finally:
+        started = c.pids()
+        c.stop()
+    assert started and not [p for p in started if psutil.pid_exists(p)], "SLURM processes outlived the cluster"
 
 
 @pytest.fixture(scope="module")

@@ -175,6 +175,19 @@ class LocalSlurm:
             log.close()
         self._logs.clear()
 
+    def pids(self) -> list[int]:
+        """The supervisors, the daemons and everything they started that still runs."""
+        import psutil
+
+        out = []
+        for p in self._daemons:
+            try:
+                top = psutil.Process(p.pid)
+                out += [top.pid] + [c.pid for c in top.children(recursive=True)]
+            except psutil.Error:
+                pass
+        return out
+
     def __enter__(self) -> "LocalSlurm":
         return self.start()
 
