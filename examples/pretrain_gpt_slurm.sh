@@ -9,6 +9,8 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out
+# Submit from the repository root after `mkdir -p logs`: SLURM opens the output file before
+# this script runs, and a missing directory fails the job with no output at all.
 # Multi-node pretraining: one torchrun per node, NCCL. SLURM sends SIGTERM 5 minutes before
 # the time limit; --exit-signal-handler finishes the iteration, saves and exits 0, and the
 # requeued job resumes from --load. A crash is requeued at most MAX_CRASH_RESTARTS times.

@@ -9,6 +9,8 @@
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out
+# Submit from the repository root after `mkdir -p logs`: SLURM opens the output file before
+# this script runs, and a missing directory fails the job with no output at all.
 # A pretraining job that survives time limits, preemption and crashes by requeueing itself.
 #
 #  1. Two minutes before the time limit (or when the job is preempted) SLURM sends SIGTERM
