@@ -124,7 +124,8 @@ def report(name: str, seconds: float) -> None:
 def preempt_and_finish(job: BatchJob, hold_s: float) -> list[str]:
     """SIGTERM to the batch shell while the save of iteration 5 is held (the job was submitted
     with MEGATRON_WEIPIPE_TEST_SLOW_SAVE=<hold_s>:5), then requeue and run to the end.
-    Checks the job's own account of it; returns the output of its two runs."""
+    Checks the job's own account of it; returns the output of its two runs and the
+    iteration it stopped at."""
     cluster = job.cluster
     first = job.wait_line(r"iteration\s+1/", 240)
     report("submit to first iteration", first - job.submitted)
@@ -136,16 +137,19 @@ def preempt_and_finish(job: BatchJob, hold_s: float) -> list[str]:
     report("signal to requeued, less the held save", time.monotonic() - t_signal - hold_s)
     t_release = time.monotonic()
     cluster.release(job.id)
-    job.wait_line(r"iteration\s+7/", 240)
+    job.wait_line(r"loaded checkpoint from", 240)
+    job.wait_line(r"iteration\s+\d+/", 240, count=len(re.findall(r"iteration\s+\d+/", job.text())) + 1)
     report("requeue to first resumed iteration (2 s of it before the release)", time.monotonic() - t_release)
     info = job.wait_done(240)
     text = job.text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-3000:]
     runs = job.runs()
     assert len(runs) == 2, text[-3000:]
-    assert "exiting at iteration 6 (signal: SIGTERM received" in runs[0], runs[0][-3000:]
-    assert "step exited with status 0; latest checkpoint at iteration 6 of" in runs[0]
+    # The signal arrives during the held save of 5: the ranks stop after the next iteration.
+    stop = int(re.search(r"exiting at iteration (\d+) \(signal: SIGTERM received", runs[0]).group(1))
+    assert 6 <= stop < TRAIN_ITERS
+    assert f"step exited with status 0; latest checkpoint at iteration {stop} of" in runs[0]
     assert "requeueing job" in runs[0]
-    assert f"loaded checkpoint from {job.ckpt} at iteration 6" in runs[1], runs[1][-3000:]
+    assert f"loaded checkpoint from {job.ckpt} at iteration {stop}" in runs[1], runs[1][-3000:]
     assert f"latest checkpoint at iteration {TRAIN_ITERS} of {TRAIN_ITERS}" in runs[1]
-    return runs
+    return runs, stop

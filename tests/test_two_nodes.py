@@ -223,7 +223,7 @@ def test_slurm_job_across_two_hosts_preempted_requeued_matches_one_host(testbed,
         one = BatchJob(cluster, "examples/pretrain_gpt_slurm.sh", str(tmp_path / "one"))  # 2 ranks on one node
         two = BatchJob(cluster, "examples/pretrain_gpt_slurm.sh", str(tmp_path / "two"),
                        env={"NODES": "2", "NPROC_PER_NODE": "1", "MEGATRON_WEIPIPE_TEST_SLOW_SAVE": "6:5"})
-        runs = preempt_and_finish(two, 6)
+        runs, _ = preempt_and_finish(two, 6)
         assert "world size 2 on 2 nodes" in runs[0]
         info = one.wait_done(300)
         assert info["JobState"] == "COMPLETED", one.text()[-3000:]
