@@ -8,12 +8,21 @@ every worker saved and exited 0. Here SIGTERM is left out of torchrun's own hand
 and forwarded to the workers instead; with ``--exit-signal-handler`` they finish the
 iteration, save a checkpoint and exit 0, and so does this launcher. Everything else
 (SIGINT, a failing worker, all torchrun flags) behaves as in torchrun.
+
+One more guard: once this host's workers have all exited, torchrun's agent still talks
+to the rendezvous store (exit barrier, shutdown), and a store call over a link whose
+packets vanish never returns. If the agent is still there
+MEGATRON_WEIPIPE_LAUNCHER_GRACE seconds (default 60) after its last worker exited, this
+launcher exits 1 with a message instead of hanging.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
+import time
 
 
 def _forward_to_workers(signum, frame) -> None:
@@ -26,6 +35,38 @@ def _forward_to_workers(signum, frame) -> None:
             pass
 
 
+def _exit_when_stranded(grace: float, endpoint: str) -> None:
+    """Exit 1 if the agent outlives its last worker by ``grace`` seconds (see the docstring)."""
+    import psutil
+
+    me = psutil.Process()
+    had_workers, gone_since = False, None
+    while True:
+        time.sleep(0.5)
+        try:
+            workers = [c for c in me.children() if c.status() != psutil.STATUS_ZOMBIE]
+        except psutil.Error:
+            continue
+        if workers:
+            had_workers, gone_since = True, None
+        elif had_workers:
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > grace:
+                print(f"error: [launcher] this host's ranks exited {grace:.0f}s ago and torchrun's agent is "
+                      f"still waiting on the rendezvous store {endpoint}: it is unreachable; exiting",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+
+def _endpoint(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a.startswith(("--rdzv-endpoint=", "--rdzv_endpoint=")):
+            return a.split("=", 1)[1]
+        if a in ("--rdzv-endpoint", "--rdzv_endpoint") and i + 1 < len(argv):
+            return argv[i + 1]
+    return "(local)"
+
+
 def main(argv=None) -> None:
     import torch.distributed.run as run
 
@@ -33,6 +74,8 @@ def main(argv=None) -> None:
     if not any(a.split("=")[0] in ("--signals-to-handle", "--signals_to_handle") for a in argv):
         argv = ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", *argv]
     signal.signal(signal.SIGTERM, _forward_to_workers)
+    grace = float(os.environ.get("MEGATRON_WEIPIPE_LAUNCHER_GRACE", "60"))
+    threading.Thread(target=_exit_when_stranded, args=(grace, _endpoint(argv)), daemon=True).start()
     run.main(argv)
 
 

@@ -14,6 +14,8 @@ store, or rank 0's TCPStore) over its own connection:
   wedged neighbour on the same host is SIGKILLed). Either way the watcher publishes the
   failure on the neighbour's behalf, naming the phase of its last heartbeat;
 - it exits if the launcher that started this rank is gone, or the store is.
+  A store call over a cut link never returns, so a second thread ends the rank when
+  one has gone unanswered for twice the store timeout.
 
 A rank that raises publishes first (``report_failure``), so its peers leave within
 one poll interval instead of waiting for a collective timeout. Settings come from
@@ -133,6 +135,10 @@ class Watchdog:
         self._neighbour_beats = -1
         self._neighbour_seen = time.monotonic()
         self._store_errors = 0
+        self._tick_started: Optional[float] = None
+        # A store call on a connection whose packets vanish (a cut link) never returns:
+        # TCPStore's timeout does not cover it. The overseer thread ends the rank then.
+        self.store_answer_timeout = max(10.0, 3 * interval)
 
     # --- store access (the main thread uses it too, while reporting a failure) ------------
     def _add(self, key: str, n: int) -> int:
@@ -169,6 +175,7 @@ class Watchdog:
         self._publish_phase()
         self._thread = threading.Thread(target=self._run, name="megatron-weipipe-watchdog", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._oversee, name="megatron-weipipe-watchdog-overseer", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -185,7 +192,9 @@ class Watchdog:
         it, in which case this thread exits the process itself with that message.
         """
         if is_communication_error(exc):
-            deadline = time.monotonic() + self.heartbeat_timeout + 2 * self.interval
+            # A peer on another host is named only after heartbeat_timeout of silence,
+            # counted from its last beat (before this error): leave room for late polls.
+            deadline = time.monotonic() + self.heartbeat_timeout + max(2.0, 5 * self.interval)
             while time.monotonic() < deadline:
                 found = self._safe(self._first_failure)
                 if found is not None:
@@ -262,12 +271,23 @@ class Watchdog:
             self._set(f"phase/{self.rank}", phase)
             self._published_phase = phase
 
+    def _oversee(self) -> None:
+        while not self._stop.wait(self.interval):
+            started = self._tick_started
+            if started is not None and time.monotonic() - started > 2 * self.store_answer_timeout:
+                if not self._stop.is_set():
+                    self._terminate(f"lost the rendezvous store hosted by {self.store_owner}: no answer for "
+                                    f"{time.monotonic() - started:.0f}s; its host is unreachable or hangs")
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
+                self._tick_started = time.monotonic()
                 self._tick()
+                self._tick_started = None
                 self._store_errors = 0
             except Exception as e:  # the store (rank 0 or the launcher) is unreachable
+                self._tick_started = None
                 self._store_errors += 1
                 if self._store_errors >= 2 and not self._stop.is_set():
                     self._terminate(f"lost the rendezvous store hosted by {self.store_owner} "
