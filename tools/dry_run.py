@@ -1,0 +1,308 @@
+#!/usr/bin/env python
+"""One real training iteration of one rank, without memory or compute: the bytes it needs.
+
+    python tools/dry_run.py <pretrain_gpt.py flags> --world-size N [--rank R] [--json]
+
+Rank R's real program runs once (after one optimizer step that creates Adam's state, so
+the peak is that of every later iteration): its model stage, schedule (WeiPipe runtime, megatron-core
+1F1B, FPDT chunks and offload), a forward/backward over its microbatches and the
+optimizer step, with every tensor a FakeTensor on the CPU (shapes and dtypes, no
+storage, no arithmetic) and torch's fake process group (collectives and messages return
+at once). Every tensor storage the program creates is followed from allocation to
+release; the peak of the live bytes that would sit on the accelerator is reported by
+role: parameters, gradients (main grads and .grad), optimizer state (fp32 master copies
+and Adam moments), communication buffers (WeiPipe's circulating weight / gradient
+tokens and their receive buffers), FPDT chunk state brought to the device, and
+activations (everything else). FPDT's host buffers (offload) are counted as host bytes.
+Sent bytes are the byte counter's exact point-to-point and collective payloads.
+Data are synthetic tokens of the configured shape (no corpus is read). A value read
+back to Python (.item(): finiteness checks, loss reporting) reads 1 / True; the
+optimizer step skips the gradient-norm read and clipping.
+
+With --json, stdout holds one JSON object: peak_accelerator_bytes, host_bytes,
+sent_bytes (integers) and categories (role -> bytes at the peak). Bad flags exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import warnings
+import weakref
+from functools import partial
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+warnings.filterwarnings("ignore")
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers",
+              "fpdt_chunk_state")
+
+
+class Ledger:
+    """Live bytes per role, by storage; a storage's role is the innermost scope at its
+    allocation, or what `assign` later says it is."""
+
+    def __init__(self):
+        self.scopes: list[str] = []
+        self.live: dict[int, list] = {}  # id(storage) -> [role, nbytes, weakref]
+        self.by_role = {c: 0 for c in CATEGORIES + ("host",)}
+        self.peak = 0
+        self.peak_roles = dict(self.by_role)
+        self.host_peak = 0
+
+    @contextlib.contextmanager
+    def scope(self, role: str):
+        self.scopes.append(role)
+        try:
+            yield
+        finally:
+            self.scopes.pop()
+
+    def note(self, t) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.live and self.live[key][2]() is st:
+            return
+        role = self.scopes[-1] if self.scopes else "activations"
+        n = int(st.nbytes())
+        self.live[key] = [role, n, weakref.ref(st, lambda _r, k=key: self._free(k))]
+        self.by_role[role] += n
+        self._check()
+
+    def _free(self, key) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.by_role[entry[0]] -= entry[1]
+
+    def assign(self, tensors, role: str) -> None:
+        for t in tensors:
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            entry = self.live.get(id(st))
+            if entry is None or entry[2]() is not st:
+                self.note(t)
+                entry = self.live[id(st)]
+            self.by_role[entry[0]] -= entry[1]
+            entry[0] = role
+            self.by_role[role] += entry[1]
+        self._check()
+
+    def _check(self) -> None:
+        device = sum(v for k, v in self.by_role.items() if k != "host")
+        if device > self.peak:
+            self.peak, self.peak_roles = device, dict(self.by_role)
+        self.host_peak = max(self.host_peak, self.by_role["host"])
+
+
+def _tracking_mode(ledger: Ledger):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:  # .item(): values do not exist here
+                dtype = args[0].dtype
+                return True if dtype is torch.bool else (1.0 if dtype.is_floating_point else 1)
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    ledger.note(t)
+            return out
+
+    return Track()
+
+
+def _patch_scopes(ledger: Ledger):
+    """Roles the program's own structure gives: WeiPipe ring buffers, FPDT chunk state."""
+    from megatron_weipipe.fpdt import offload
+    from megatron_weipipe.schedules.runtime import ring
+
+    def scoped(cls, name, role):
+        original = getattr(cls, name)
+
+        def inner(*a, **k):
+            with ledger.scope(role):
+                return original(*a, **k)
+
+        setattr(cls, name, inner)
+
+    # The runtime finds saved weight views by storage address; fake storages all have
+    # address 0, so find them by storage identity instead (same views, same bytes).
+    current = {}
+
+    class SwapByStorage(ring._WeightSwap):
+        def __init__(self, ptr):
+            super().__init__(ptr)
+            self.key = current["flat"]
+
+        def pack(self, t):
+            if t.untyped_storage()._cdata == self.key:
+                return (t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+            return t
+
+    ring._WeightSwap = SwapByStorage
+    forward = ring._IterationState._forward
+
+    def tracked_forward(self, i, a):
+        current["flat"] = self._get(a, a.buffer).untyped_storage()._cdata
+        return forward(self, i, a)
+
+    ring._IterationState._forward = tracked_forward
+    for name in ("_post", "_load", "_grad_init"):
+        scoped(ring._IterationState, name, "communication_buffers")
+    for name in ("prefetch", "get"):
+        scoped(offload.ChunkStore, name, "fpdt_chunk_state")
+    scoped(offload.HostBufferPool, "take", "host")
+
+
+def _local_object_collectives(dist) -> None:
+    """Object collectives pickle through real tensors; in a dry run every rank is this one."""
+    def all_gather_object(out, obj, group=None):
+        for i in range(len(out)):
+            out[i] = obj
+
+    dist.all_gather_object = all_gather_object
+    dist.broadcast_object_list = lambda objs, *a, **k: None
+
+    class _Handle:  # fake tensors have no coalesced collectives: each runs on its own
+        works: list = []
+
+        def wait(self):
+            pass
+
+    @contextlib.contextmanager
+    def coalescing(*a, **k):
+        yield _Handle()
+
+    from megatron.core.distributed import param_and_grad_buffer
+
+    param_and_grad_buffer._coalescing_manager = coalescing
+
+
+def _quiet_rng() -> None:
+    """megatron-core's RNG tracker compares CPU RNG states by value around each fork; a dry
+    run has no values (and its dropout masks need none)."""
+    from megatron.core.tensor_parallel import random as mr
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        yield
+
+    mr.CudaRNGStatesTracker.fork = fork
+
+
+def _synthetic_batches(cfg, n: int, vocab: int):
+    import torch
+
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    out = []
+    for _ in range(n):
+        tokens = torch.zeros(b, s, dtype=torch.long)
+        out.append({"tokens": tokens, "labels": tokens.clone(), "loss_mask": torch.ones(b, s),
+                    "position_ids": torch.arange(s).expand(b, s).clone()})
+    return out
+
+
+def dry_run(argv, world_size: int, rank: int) -> dict:
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), str(rank)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    from megatron_weipipe.arguments import parse_config
+
+    cfg = parse_config(argv, world_size)
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_weipipe.initialize import initialize_distributed
+    from megatron_weipipe.data.tokenizers import build_tokenizer
+    from megatron_weipipe.shape import padded_vocab_size
+    from megatron_weipipe.schedules import registry
+    from megatron_weipipe.training.optimizer import build_optimizer
+    import pretrain_gpt
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _local_object_collectives(dist)
+    _quiet_rng()
+    ctx = initialize_distributed(cfg)
+    ledger = Ledger()
+    _patch_scopes(ledger)
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
+    vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ctx.groups.tp_size)
+    started = time.time()
+    with FakeTensorMode(allow_non_fake_inputs=True), _tracking_mode(ledger):
+        schedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
+        with ledger.scope("parameters"):
+            chunks = schedule.build_model(partial(pretrain_gpt.model_provider, cfg, vocab))
+        params = [p for m in chunks for p in m.parameters()]
+        ledger.assign([getattr(p, "main_grad", None) for p in params], "gradients")
+        with ledger.scope("optimizer_state"):
+            optimizer = build_optimizer(cfg, chunks)
+            optimizer.prepare_grads()
+            optimizer.step_with_ready_grads()  # Adam's moments exist from the first step on: steady state
+        _, _, n_mb = schedule.data_shard()
+        batches = _synthetic_batches(cfg, n_mb, vocab)
+        ctx.bytes.reset()
+        schedule.zero_grad()
+        optimizer.zero_grad()
+        schedule.forward_backward(pretrain_gpt_forward_step(), batches)
+        ledger.assign([p.grad for p in params], "gradients")
+        with ledger.scope("optimizer_state"):
+            optimizer.prepare_grads()
+            optimizer.step_with_ready_grads()
+    sent = sum(ctx.bytes.sent.values())
+    roles = {c: int(ledger.peak_roles[c]) for c in CATEGORIES}
+    return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name,
+            "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
+            "sent_bytes": int(sent), "categories": roles, "seconds": round(time.time() - started, 1)}
+
+
+def pretrain_gpt_forward_step():
+    from megatron_weipipe.model.gpt_step import forward_step
+
+    return forward_step
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    own, rest = ap.parse_known_args(argv)
+    if own.world_size < 1 or not 0 <= own.rank < own.world_size:
+        print(f"dry_run: --rank must be in 0..{own.world_size - 1} and --world-size >= 1", file=sys.stderr)
+        return 2
+    from megatron_weipipe.config import ConfigError
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the program's own prints stay off stdout
+            out = dry_run(rest, own.world_size, own.rank)
+    except ConfigError as e:
+        print(f"dry_run: {e}", file=sys.stderr)
+        return 2
+    if own.json:
+        print(json.dumps(out))
+        return 0
+    print(f"dry run of rank {own.rank} of {own.world_size} ({out['schedule']}), {out['seconds']} s:")
+    print("| role | peak bytes | |\n|---|---|---|")
+    for c in CATEGORIES:
+        print(f"| {c} | {out['categories'][c]} | {_gib(out['categories'][c])} |")
+    print(f"| **accelerator peak** | {out['peak_accelerator_bytes']} | {_gib(out['peak_accelerator_bytes'])} |")
+    print(f"| host (offload) | {out['host_bytes']} | {_gib(out['host_bytes'])} |")
+    print(f"| sent per iteration | {out['sent_bytes']} | {_gib(out['sent_bytes'])} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
