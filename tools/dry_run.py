@@ -229,6 +229,15 @@ def dry_run(argv, world_size: int, rank: int) -> dict:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     _local_object_collectives(dist)
+    swap = torch.utils.swap_tensors
+
+    def swap_or_set(t1, t2):  # module.to(bf16) swaps fake parameters, which the fake mode holds weakly
+        try:
+            swap(t1, t2)
+        except RuntimeError:
+            t1.data = t2.detach()
+
+    torch.utils.swap_tensors = swap_or_set
     _quiet_rng()
     ctx = initialize_distributed(cfg)
     ledger = Ledger()
