@@ -20,7 +20,9 @@ back to Python (.item(): finiteness checks, loss reporting) reads 1 / True; the
 optimizer step skips the gradient-norm read and clipping.
 
 With --json, stdout holds one JSON object: peak_accelerator_bytes, host_bytes,
-sent_bytes (integers) and categories (role -> bytes at the peak). Bad flags exit 2.
+sent_bytes (integers), categories (role -> bytes at the peak) and estimator (the
+simulator's memory estimator and byte model for the same run, same keys). Bad flags
+exit 2.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import sys
 import time
 import warnings
 import weakref
+from dataclasses import replace
 from functools import partial
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
@@ -156,6 +159,13 @@ def _patch_scopes(ledger: Ledger):
     ring._IterationState._forward = tracked_forward
     for name in ("_post", "_load", "_grad_init"):
         scoped(ring._IterationState, name, "communication_buffers")
+    init = ring._IterationState.__init__
+
+    def state_init(self, rt, master, microbatches, pre_fn, post_fn, main_grad, *rest):
+        ledger.assign([master, main_grad], "communication_buffers")  # the runtime's flat fp32 copies
+        init(self, rt, master, microbatches, pre_fn, post_fn, main_grad, *rest)
+
+    ring._IterationState.__init__ = state_init
     for name in ("prefetch", "get"):
         scoped(offload.ChunkStore, name, "fpdt_chunk_state")
     scoped(offload.HostBufferPool, "take", "host")
@@ -266,10 +276,48 @@ def dry_run(argv, world_size: int, rank: int) -> dict:
             optimizer.prepare_grads()
             optimizer.step_with_ready_grads()
     sent = sum(ctx.bytes.sent.values())
+    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size)
     roles = {c: int(ledger.peak_roles[c]) for c in CATEGORIES}
     return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name,
             "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
-            "sent_bytes": int(sent), "categories": roles, "seconds": round(time.time() - started, 1)}
+            "sent_bytes": int(sent), "categories": roles, "seconds": round(time.time() - started, 1),
+            "estimator": estimated}
+
+
+def estimate(cfg, pp_rank: int, vocab: int) -> dict:
+    """The simulator's memory estimator and byte model for the same run and pipeline rank,
+    in the dry run's roles (megatron-core's local layers: unfused attention)."""
+    from megatron_weipipe.simulator import memory
+    from megatron_weipipe.simulator.fpdt import analyse
+    from megatron_weipipe.simulator.hardware import HOST_LINKS, Cluster, device_preset, link_preset
+    from megatron_weipipe.simulator.project import counter_bytes, rank_memory
+    from megatron_weipipe.simulator.run_spec import spec_from_config
+
+    cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
+    spec = spec_from_config(cfg, attention_impl="unfused")
+    schedule = spec.build_schedule()
+    fp = None
+    if spec.fpdt is not None:
+        cluster = Cluster(device_preset("a100"), link_preset("nvlink3"), link_preset("ib"), host_link=HOST_LINKS["pcie4"])
+        fp = analyse(spec.shape, spec.fpdt, cluster, cp=spec.layout.cp, tp=spec.layout.tp,
+                     dtype_bytes=spec.compute_bytes)
+    mem = rank_memory(spec, schedule, fp)[pp_rank]
+    state = memory.state_bytes_for(spec.compute_bytes)
+    if spec.distributed_optimizer:
+        state = memory.StateBytes(state.param, state.grad, state.optimizer,
+                                  optimizer_shards=spec.layout.dp * spec.layout.cp)
+    roles = {
+        "parameters": mem.params * state.param / state.param_shards,
+        "gradients": mem.params * state.grad / state.param_shards,
+        "optimizer_state": mem.params * state.optimizer / state.optimizer_shards,
+        "activations": mem.activations + mem.transient,
+        "communication_buffers": mem.buffers,
+        "fpdt_chunk_state": 0,
+    }
+    roles = {k: int(v) for k, v in roles.items()}
+    return {"peak_accelerator_bytes": int(mem.total), "categories": roles,
+            "host_bytes": int(fp.host_bytes_per_rank) if fp is not None else 0,
+            "sent_bytes": int(sum(counter_bytes(spec, schedule)[pp_rank].values()))}
 
 
 def pretrain_gpt_forward_step():
@@ -304,12 +352,15 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         return 0
     print(f"dry run of rank {own.rank} of {own.world_size} ({out['schedule']}), {out['seconds']} s:")
-    print("| role | peak bytes | |\n|---|---|---|")
-    for c in CATEGORIES:
-        print(f"| {c} | {out['categories'][c]} | {_gib(out['categories'][c])} |")
-    print(f"| **accelerator peak** | {out['peak_accelerator_bytes']} | {_gib(out['peak_accelerator_bytes'])} |")
-    print(f"| host (offload) | {out['host_bytes']} | {_gib(out['host_bytes'])} |")
-    print(f"| sent per iteration | {out['sent_bytes']} | {_gib(out['sent_bytes'])} |")
+    est = out["estimator"]
+    print("| role | dry run (bytes) | dry run | estimator | estimator / dry run |\n|---|---|---|---|---|")
+    rows = [(c, out["categories"][c], est["categories"][c]) for c in CATEGORIES]
+    rows += [("**accelerator peak**", out["peak_accelerator_bytes"], est["peak_accelerator_bytes"]),
+             ("host (offload)", out["host_bytes"], est["host_bytes"]),
+             ("sent per iteration", out["sent_bytes"], est["sent_bytes"])]
+    for name, got, want in rows:
+        ratio = f"{want / got:.3f}" if got else ("-" if not want else "inf")
+        print(f"| {name} | {got} | {_gib(got)} | {_gib(want)} | {ratio} |")
     return 0
 
 

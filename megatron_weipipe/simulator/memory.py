@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_weipipe.schedules.plan.actions import Flow, Kind, Schedule
+from megatron_weipipe.schedules.plan.posts import DEFAULT_ORDER, Post, pair_messages, rank_posts
 
 from megatron_weipipe.shape import ModelShape
 
@@ -112,11 +113,14 @@ class BufferPeak:
 
 def peak_buffers(schedule: Schedule, lookahead: int = 1) -> tuple[BufferPeak, ...]:
     """Per rank, the most chunk-sized tensors WeiPipeRuntime holds at once: buffers,
-    irecvs posted `lookahead` ticks ahead, and isends kept until the next tick starts."""
+    irecvs from the moment the runtime's posting program (plan.posts: parity order at
+    lookahead 1, receive-first otherwise) posts them, and isends kept until the next
+    tick starts."""
+    order = DEFAULT_ORDER if lookahead == 1 else "recv-first"
+    pairs = pair_messages(schedule)
     out = []
-    for acts in schedule.ranks:
-        recvs = sorted((a.tick, i) for i, a in enumerate(acts) if a.kind is Kind.RECV)
-        cursor, tick = 0, None
+    for rank, acts in enumerate(schedule.ranks):
+        tick = None
         held = {"w": 0, "g": 0}
         sending: list[str] = []
         peak = (0, 0)
@@ -133,13 +137,17 @@ def peak_buffers(schedule: Schedule, lookahead: int = 1) -> tuple[BufferPeak, ..
             if total > best:
                 best, peak = total, (w, g)
 
-        for a in acts:
+        for step in rank_posts(schedule, rank, order=order, lookahead=lookahead, pairs=pairs):
+            if isinstance(step, Post):
+                for i in step.ops:
+                    if acts[i].kind is Kind.RECV:
+                        held[kind_of(acts[i].flow)] += 1
+                note()
+                continue
+            a = acts[step]
             if a.tick != tick:
                 tick = a.tick
                 sending.clear()
-                while cursor < len(recvs) and recvs[cursor][0] <= tick + lookahead:
-                    held[kind_of(acts[recvs[cursor][1]].flow)] += 1
-                    cursor += 1
             if a.kind is Kind.LOAD:
                 held["w"] += 1
             elif a.kind is Kind.GRAD_INIT:
