@@ -257,9 +257,9 @@ def dry_run(argv, world_size: int, rank: int) -> dict:
     started = time.time()
     with FakeTensorMode(allow_non_fake_inputs=True), _tracking_mode(ledger):
         schedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
-        with ledger.scope("parameters"):
-            chunks = schedule.build_model(partial(pretrain_gpt.model_provider, cfg, vocab))
+        chunks = schedule.build_model(partial(pretrain_gpt.model_provider, cfg, vocab))
         params = [p for m in chunks for p in m.parameters()]
+        ledger.assign(params, "parameters")
         ledger.assign([getattr(p, "main_grad", None) for p in params], "gradients")
         with ledger.scope("optimizer_state"):
             optimizer = build_optimizer(cfg, chunks)
