@@ -67,11 +67,22 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     heads = a / tp  # with Ulysses each rank holds a/cp heads over the whole sequence
     full_s = shape.seq_length
     if unfused:
-        attn = b * heads / o.cp * full_s * full_s * (e + (2 * e if o.dropout else 0))
+        # the probabilities for the matmul; below fp32 also megatron-core's fp32 softmax
+        # output (attention_softmax_in_fp32) that the softmax saves for its backward
+        fp32_softmax = 4 if e < 4 else 0
+        attn = b * heads / o.cp * full_s * full_s * (e + fp32_softmax + (2 * e if o.dropout else 0))
     else:
         attn = b * heads / o.cp * full_s * 4  # log-sum-exp
     rope_tables = 4 * s * d * e if (rope and unfused) else 0.0
     return replicated + split + attn + rope_tables
+
+
+def attention_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+    """Unfused attention's backward of one layer: the gradient of the probabilities and of
+    the fp32 softmax, s x s per head, transient (flash attention works in tiles: none)."""
+    if o.impl != "unfused":
+        return 0.0
+    return shape.micro_batch_size * shape.num_attention_heads / o.tp / o.cp * shape.seq_length ** 2 * (o.dtype_bytes + 4)
 
 
 def layer_input_bytes(shape: ModelShape, o: ActivationOptions) -> float:

@@ -204,6 +204,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         else:
             acts = in_flight[r] * k * per_layer
             transient = 0.0
+        if fp is None:
+            transient += memory.attention_scratch_bytes(s, act_opts)
         if fp is None and (spec.is_weipipe or r == lay.pp - 1):
             transient += logits  # FPDT's chunked loss is in its chunk buffers
         buf = 0.0
