@@ -23,7 +23,8 @@ With --json, stdout holds one JSON object: peak_accelerator_bytes, host_bytes,
 sent_bytes (integers), categories (role -> bytes at the peak), category_peaks (each
 role's own peak, what the estimator gives per role) and estimator (the
 simulator's memory estimator and byte model for the same run, same keys). Bad flags
-exit 2.
+exit 2. `--attention flash` runs megatron-core's core attention through torch's fused
+kernel (what a GPU keeps: no s x s probabilities); default: the layers as built here.
 """
 
 from __future__ import annotations
@@ -217,6 +218,23 @@ def _quiet_rng() -> None:
     mr.CudaRNGStatesTracker.fork = fork
 
 
+def _flash_attention() -> None:
+    """--attention flash: megatron-core's core attention through torch's fused SDPA kernel,
+    which saves the output and a log-sum-exp per query instead of the s x s probabilities
+    (what TE / flash attention keep on a GPU). Causal, no dropout, as FPDT-style runs."""
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=k.size(1) != q.size(1))
+        return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), -1)
+
+    DotProductAttention.forward = forward
+
+
 def _synthetic_batches(cfg, n: int, vocab: int):
     import torch
 
@@ -229,7 +247,7 @@ def _synthetic_batches(cfg, n: int, vocab: int):
     return out
 
 
-def dry_run(argv, world_size: int, rank: int) -> dict:
+def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), str(rank)
     os.environ.setdefault("LOCAL_RANK", "0")
     from megatron_weipipe.arguments import parse_config
@@ -259,6 +277,8 @@ def dry_run(argv, world_size: int, rank: int) -> dict:
 
     torch.utils.swap_tensors = swap_or_set
     _quiet_rng()
+    if attention == "flash":
+        _flash_attention()
     ctx = initialize_distributed(cfg)
     ledger = Ledger()
     _patch_scopes(ledger)
@@ -286,7 +306,7 @@ def dry_run(argv, world_size: int, rank: int) -> dict:
             optimizer.prepare_grads()
             optimizer.step_with_ready_grads()
     sent = sum(ctx.bytes.sent.values())
-    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size)
+    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size, attention)
     roles = {c: int(ledger.peak_roles[c]) for c in CATEGORIES}
     return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name,
             "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
@@ -294,7 +314,7 @@ def dry_run(argv, world_size: int, rank: int) -> dict:
             "category_peaks": {c: int(ledger.role_peaks[c]) for c in CATEGORIES}, "estimator": estimated}
 
 
-def estimate(cfg, pp_rank: int, vocab: int) -> dict:
+def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
     """The simulator's memory estimator and byte model for the same run and pipeline rank,
     in the dry run's roles (megatron-core's local layers: unfused attention)."""
     from megatron_weipipe.simulator import memory
@@ -304,7 +324,7 @@ def estimate(cfg, pp_rank: int, vocab: int) -> dict:
     from megatron_weipipe.simulator.run_spec import spec_from_config
 
     cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
-    spec = spec_from_config(cfg, attention_impl="unfused")
+    spec = spec_from_config(cfg, attention_impl="flash" if attention == "flash" else "unfused")
     schedule = spec.build_schedule()
     fp = None
     if spec.fpdt is not None:
@@ -346,6 +366,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--attention", choices=("local", "flash"), default="local")
     own, rest = ap.parse_known_args(argv)
     if own.world_size < 1 or not 0 <= own.rank < own.world_size:
         print(f"dry_run: --rank must be in 0..{own.world_size - 1} and --world-size >= 1", file=sys.stderr)
@@ -354,7 +375,7 @@ def main(argv=None) -> int:
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the program's own prints stay off stdout
-            out = dry_run(rest, own.world_size, own.rank)
+            out = dry_run(rest, own.world_size, own.rank, own.attention)
     except ConfigError as e:
         print(f"dry_run: {e}", file=sys.stderr)
         return 2
