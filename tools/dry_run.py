@@ -324,7 +324,7 @@ def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
     from megatron_weipipe.simulator.run_spec import spec_from_config
 
     cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
-    spec = spec_from_config(cfg, attention_impl="flash" if attention == "flash" else "unfused")
+    spec = spec_from_config(cfg, attention_impl="unfused+flash" if attention == "flash" else "unfused")
     schedule = spec.build_schedule()
     fp = None
     if spec.fpdt is not None:

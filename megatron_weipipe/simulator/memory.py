@@ -28,6 +28,7 @@ class ActivationOptions:
     tp: int = 1
     cp: int = 1
     sequence_parallel: bool = False
+    flash_attention: Optional[bool] = None  # None: with impl "flash"; True with "unfused": local layers, fused SDPA core
 
 
 def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
@@ -37,6 +38,7 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     e, tp = o.dtype_bytes, o.tp
     sb = s * b
     unfused = o.impl == "unfused"
+    flash = not unfused if o.flash_attention is None else o.flash_attention
     rope = shape.position_embedding_type == "rope"
     mask = e if unfused else 1  # dropout masks: float on the CPU path, bool on GPUs
     # replicated over TP unless sequence parallel: layer input, norm outputs, residual
@@ -53,7 +55,7 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
         qkv = 0.0 if (rope and g < a) else shape.qkv_width
         if rope:
             qkv += a * d + (g * d if g == a else 0)  # rotated q (and k)
-        if g < a:
+        if g < a and not flash:
             qkv += 2 * a * d  # k, v expanded to every head before the matmuls
         split_tok += qkv * e
     else:
@@ -66,7 +68,7 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     split = sb * split_tok / tp
     heads = a / tp  # with Ulysses each rank holds a/cp heads over the whole sequence
     full_s = shape.seq_length
-    if unfused:
+    if not flash:
         # the probabilities for the matmul; below fp32 also megatron-core's fp32 softmax
         # output (attention_softmax_in_fp32) that the softmax saves for its backward
         fp32_softmax = 4 if e < 4 else 0
@@ -80,7 +82,7 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
 def attention_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     """Unfused attention's backward of one layer: the gradient of the probabilities and of
     the fp32 softmax, s x s per head, transient (flash attention works in tiles: none)."""
-    if o.impl != "unfused":
+    if o.impl != "unfused" or o.flash_attention:
         return 0.0
     return shape.micro_batch_size * shape.num_attention_heads / o.tp / o.cp * shape.seq_length ** 2 * (o.dtype_bytes + 4)
 
