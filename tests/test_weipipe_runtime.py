@@ -249,14 +249,16 @@ def _options_worker(rank, world_size):
 
     # (c) tags off (NCCL ignores them): receives posted in the sender's order keep the
     # flows apart even on a ring of 2 where, in list order, they would cross; any lookahead
-    for name, lookahead in (("weipipe-naive", 0), ("weipipe-interleave", 3)):
+    # and every posting order (parity is the default; grouped batches; recv-first is gloo-only)
+    for name, lookahead, order in (("weipipe-naive", 0, "recv-first"), ("weipipe-interleave", 3, "recv-first"),
+                                   ("weipipe-zb", 1, "grouped"), ("weipipe-interleave", 1, "parity")):
         for p in list(emb.parameters()) + list(head.parameters()):
             p.grad = None
         master = layout.flatten(make_chunk(1000 + rank))
         rt = WeiPipeRuntime(generate(name, P, G), ring_group=ring, chunk_template=template,
-                            use_tags=False, lookahead=lookahead)
+                            use_tags=False, lookahead=lookahead, order=order)
         res = rt.run_iteration(master, mbs, pre_fn=lambda mb: emb(mb[0]), post_fn=lambda h, mb: head(h, mb[1]))
-        out[f"untagged {name}"] = _rel(res.main_grad, ref_chunk_grads[rank])
+        out[f"untagged {name} {order}"] = _rel(res.main_grad, ref_chunk_grads[rank])
     try:
         WeiPipeRuntime(generate("weipipe-zb", P + 1, G), ring_group=ring, chunk_template=template)
     except Exception as e:  # noqa: BLE001 - reported to the parent
@@ -285,7 +287,8 @@ def test_backward_weights_are_used_and_low_precision_options():
             loss_err, grad_err = out[f"skewed_recompute={recompute}"]
             assert loss_err < 1e-6, "forward must not read the backward-weight buffer"
             assert grad_err > 1e-2, "backward must read the backward-weight buffer"
-        assert out["untagged weipipe-naive"] < 1e-5 and out["untagged weipipe-interleave"] < 1e-5
+        untagged = {k: v for k, v in out.items() if k.startswith("untagged")}
+        assert len(untagged) == 4 and all(v < 1e-5 for v in untagged.values()), untagged
         assert out["wrong ring"] == "schedule weipipe-zb is for a ring of 3 ranks, the ring group has 2"
         loss_err, grad_err, dtype, sent = out["bf16"]
         assert loss_err < 3e-2 and grad_err < 6e-2, (loss_err, grad_err)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_weipipe.schedules.plan.actions import Flow, Kind, Schedule
+from megatron_weipipe.schedules.plan.posts import DEFAULT_ORDER, Post, pair_messages, rank_posts
 
 from megatron_weipipe.shape import ModelShape
 
@@ -27,6 +28,7 @@ class ActivationOptions:
     tp: int = 1
     cp: int = 1
     sequence_parallel: bool = False
+    flash_attention: Optional[bool] = None  # None: with impl "flash"; True with "unfused": local layers, fused SDPA core
 
 
 def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
@@ -36,6 +38,7 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     e, tp = o.dtype_bytes, o.tp
     sb = s * b
     unfused = o.impl == "unfused"
+    flash = not unfused if o.flash_attention is None else o.flash_attention
     rope = shape.position_embedding_type == "rope"
     mask = e if unfused else 1  # dropout masks: float on the CPU path, bool on GPUs
     # replicated over TP unless sequence parallel: layer input, norm outputs, residual
@@ -52,7 +55,7 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
         qkv = 0.0 if (rope and g < a) else shape.qkv_width
         if rope:
             qkv += a * d + (g * d if g == a else 0)  # rotated q (and k)
-        if g < a:
+        if g < a and not flash:
             qkv += 2 * a * d  # k, v expanded to every head before the matmuls
         split_tok += qkv * e
     else:
@@ -65,12 +68,23 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     split = sb * split_tok / tp
     heads = a / tp  # with Ulysses each rank holds a/cp heads over the whole sequence
     full_s = shape.seq_length
-    if unfused:
-        attn = b * heads / o.cp * full_s * full_s * (e + (2 * e if o.dropout else 0))
+    if not flash:
+        # the probabilities for the matmul; below fp32 also megatron-core's fp32 softmax
+        # output (attention_softmax_in_fp32) that the softmax saves for its backward
+        fp32_softmax = 4 if e < 4 else 0
+        attn = b * heads / o.cp * full_s * full_s * (e + fp32_softmax + (2 * e if o.dropout else 0))
     else:
         attn = b * heads / o.cp * full_s * 4  # log-sum-exp
     rope_tables = 4 * s * d * e if (rope and unfused) else 0.0
     return replicated + split + attn + rope_tables
+
+
+def attention_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+    """Unfused attention's backward of one layer: the gradient of the probabilities and of
+    the fp32 softmax, s x s per head, transient (flash attention works in tiles: none)."""
+    if o.impl != "unfused" or o.flash_attention:
+        return 0.0
+    return shape.micro_batch_size * shape.num_attention_heads / o.tp / o.cp * shape.seq_length ** 2 * (o.dtype_bytes + 4)
 
 
 def layer_input_bytes(shape: ModelShape, o: ActivationOptions) -> float:
@@ -112,11 +126,14 @@ class BufferPeak:
 
 def peak_buffers(schedule: Schedule, lookahead: int = 1) -> tuple[BufferPeak, ...]:
     """Per rank, the most chunk-sized tensors WeiPipeRuntime holds at once: buffers,
-    irecvs posted `lookahead` ticks ahead, and isends kept until the next tick starts."""
+    irecvs from the moment the runtime's posting program (plan.posts: parity order at
+    lookahead 1, receive-first otherwise) posts them, and isends kept until the next
+    tick starts."""
+    order = DEFAULT_ORDER if lookahead == 1 else "recv-first"
+    pairs = pair_messages(schedule)
     out = []
-    for acts in schedule.ranks:
-        recvs = sorted((a.tick, i) for i, a in enumerate(acts) if a.kind is Kind.RECV)
-        cursor, tick = 0, None
+    for rank, acts in enumerate(schedule.ranks):
+        tick = None
         held = {"w": 0, "g": 0}
         sending: list[str] = []
         peak = (0, 0)
@@ -133,13 +150,17 @@ def peak_buffers(schedule: Schedule, lookahead: int = 1) -> tuple[BufferPeak, ..
             if total > best:
                 best, peak = total, (w, g)
 
-        for a in acts:
+        for step in rank_posts(schedule, rank, order=order, lookahead=lookahead, pairs=pairs):
+            if isinstance(step, Post):
+                for i in step.ops:
+                    if acts[i].kind is Kind.RECV:
+                        held[kind_of(acts[i].flow)] += 1
+                note()
+                continue
+            a = acts[step]
             if a.tick != tick:
                 tick = a.tick
                 sending.clear()
-                while cursor < len(recvs) and recvs[cursor][0] <= tick + lookahead:
-                    held[kind_of(acts[recvs[cursor][1]].flow)] += 1
-                    cursor += 1
             if a.kind is Kind.LOAD:
                 held["w"] += 1
             elif a.kind is Kind.GRAD_INIT:

@@ -178,7 +178,9 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     if spec.zero3:
         n = lay.dp * lay.cp
         state = memory.StateBytes(spec.compute_bytes, spec.compute_bytes, 12, optimizer_shards=n, param_shards=n)
-    act_opts = memory.ActivationOptions(impl=spec.attention_impl, dtype_bytes=spec.compute_bytes,
+    impl, _, core = spec.attention_impl.partition("+")  # "unfused+flash": local layers, fused attention core
+    act_opts = memory.ActivationOptions(impl=impl, flash_attention=(core == "flash") or None,
+                                        dtype_bytes=spec.compute_bytes,
                                         dropout=spec.dropout, tp=lay.tp, cp=lay.cp,
                                         sequence_parallel=spec.sequence_parallel)
     k = spec.layers_per_chunk
@@ -204,6 +206,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         else:
             acts = in_flight[r] * k * per_layer
             transient = 0.0
+        if fp is None:
+            transient += memory.attention_scratch_bytes(s, act_opts)
         if fp is None and (spec.is_weipipe or r == lay.pp - 1):
             transient += logits  # FPDT's chunked loss is in its chunk buffers
         buf = 0.0

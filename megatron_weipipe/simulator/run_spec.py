@@ -40,7 +40,7 @@ class RunSpec:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     zero3: bool = False  # DeepSpeed ZeRO-3 model state (bf16 weights and grads, fp32 Adam), all sharded
-    attention_impl: str = "flash"
+    attention_impl: str = "flash"  # "flash" (TE layers), "unfused" (local layers), "unfused+flash" (local, fused core)
     dropout: bool = True
     fpdt: Optional[FPDTSpec] = None
     lookahead: int = 1

@@ -1,5 +1,9 @@
 """Run per-rank action lists against each other with blocking-receive semantics.
 
+Two semantics: "buffered" (below: gloo's, sends never wait) and "nccl" (nccl.py: the
+lists as the runtime posts them, operations on one communicator in posting order, a
+send and its receive complete together, a batch as a whole).
+
 SEND is asynchronous (it never waits); RECV waits until the matching SEND, the next
 unmatched one from that peer with that tag, has been issued. Matching is per
 (source, destination, tag) in issue order, which is how gloo and NCCL pair
@@ -17,10 +21,20 @@ from .actions import Action, Kind, Schedule, ScheduleError
 Visit = Callable[[Action, Optional[Action]], None]
 
 
-def walk(schedule: Schedule, visit: Visit) -> None:
+def walk(schedule: Schedule, visit: Visit, *, semantics: str = "buffered", order: Optional[str] = None,
+         lookahead: int = 1) -> None:
     """Call `visit(action, matched_send)` for every action in an order the ranks could
     really execute them in (matched_send is set for RECVs). Raises ScheduleError on
-    deadlock or on messages left unreceived."""
+    deadlock or on messages left unreceived. `order` and `lookahead` choose the posting
+    program (posts.py) under "nccl"."""
+    if semantics == "nccl":
+        from .nccl import nccl_walk
+        from .posts import programs
+
+        nccl_walk(schedule, programs(schedule, order, lookahead), visit)
+        return
+    if semantics != "buffered":
+        raise ScheduleError(f"unknown semantics {semantics!r}; choose buffered or nccl")
     P = schedule.num_ranks
     pc = [0] * P
     queues: dict[tuple[int, int, int], deque] = {}

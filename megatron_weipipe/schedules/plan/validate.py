@@ -122,7 +122,8 @@ class _RankState:
         got.parts[key] += 1
 
 
-def validate(schedule: Schedule, *, check_direction: bool = True) -> None:
+def validate(schedule: Schedule, *, check_direction: bool = True, semantics: str = "buffered",
+             order: Optional[str] = None, lookahead: int = 1) -> None:
     """Raise ScheduleError naming the first broken rule; return None if the schedule is sound.
 
     Rules (WeiPipe family): every compute reads the buffer that holds its chunk at that
@@ -134,11 +135,14 @@ def validate(schedule: Schedule, *, check_direction: bool = True) -> None:
     tick (`check_direction=False` skips only this rule, to show the content check alone
     catches misrouting); no buffer is overwritten while live; nothing leaks.
     Megatron timelines get the generic rules (tags, pairing, deadlock).
+    `semantics="nccl"` executes the lists as posted by `order` (posts.py) under NCCL's
+    rules (nccl.py) instead of gloo's buffered sends.
     """
+    how = dict(semantics=semantics, order=order, lookahead=lookahead)
     _check_tags(schedule)
     _check_ticks(schedule)
     if schedule.family != "weipipe":
-        _validate_activation_pipeline(schedule)
+        _validate_activation_pipeline(schedule, how)
         return
     P, G = schedule.num_ranks, schedule.microbatches
     states = [_RankState(schedule, r) for r in range(P)]
@@ -257,7 +261,7 @@ def validate(schedule: Schedule, *, check_direction: bool = True) -> None:
         else:
             raise ScheduleError(f"{a}: unknown action kind")
 
-    walk(schedule, visit)
+    walk(schedule, visit, **how)
     for c in range(schedule.num_chunks):
         if c not in owner_steps:
             raise ScheduleError(f"chunk {c} never reaches its optimizer step on rank {c}")
@@ -275,7 +279,7 @@ def validate(schedule: Schedule, *, check_direction: bool = True) -> None:
             raise ScheduleError(f"rank {st.rank} ends with live buffers {live}")
 
 
-def _validate_activation_pipeline(schedule: Schedule) -> None:
+def _validate_activation_pipeline(schedule: Schedule, how: dict) -> None:
     """Megatron timelines: each stage's input (activation or its gradient) arrives from
     the neighbouring stage for the same microbatch before the compute that needs it."""
     S = schedule.num_chunks
@@ -298,4 +302,4 @@ def _validate_activation_pipeline(schedule: Schedule) -> None:
             if a.chunk < S - 1 and (Flow.ACTIVATION_GRADS, a.mb, a.chunk) not in got:
                 raise ScheduleError(f"{a}: its output gradient has not arrived")
 
-    walk(schedule, visit)
+    walk(schedule, visit, **how)

@@ -12,12 +12,13 @@ microbatches of the ring) is returned flat; the caller reduces it over data-para
 replicas and steps its optimizer. Losses are backpropagated as returned by post_fn
 (scale them there, e.g. by 1/num_microbatches, if a mean is wanted).
 
-Communication follows the list: a SEND is an isend posted where it stands; a RECV's
-irecv is posted `lookahead` ticks ahead into a fresh tensor (the double buffer: the
-next hop lands while this tick computes) and waited at the RECV. Every flow has its own
-tag, so two flows to the one neighbour of a ring of 2 never cross on gloo; receives are
-also posted per peer in the order that peer sends, so matching holds where tags are
-ignored (NCCL; `use_tags=False` runs that way on gloo too).
+Communication is posted exactly as plan.posts.rank_posts describes for `order` (the
+program tools/check_schedules.py proves deadlock-free under NCCL's rules): by default
+"parity", single isend/irecv ops, a SEND posted where it stands, irecvs posted
+`lookahead` ticks ahead into fresh tensors (the double buffer) on odd ring ranks and
+after the tick's sends on even ones; a RECV waits for its message. Every flow has its
+own tag, and receives are posted per peer in the order that peer sends, so matching
+holds where tags are ignored (NCCL; `use_tags=False` runs that way on gloo too).
 
 Backward weights are real: without recomputation the forward graph does not keep the
 forward-weight buffer; the weights it saved are swapped at unpack time for views of the
@@ -30,7 +31,6 @@ wrong chunk into a backward gives wrong gradients, which the parity tests would 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
@@ -43,6 +43,7 @@ from megatron_weipipe.byte_counter import ByteCounter
 from megatron_weipipe.platform import detect_platform
 
 from ..plan.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
+from ..plan.posts import DEFAULT_ORDER, Post, rank_posts
 from .flat import FlatLayout
 from .trace import ActionTracer
 from .wgrad import WeightGradStore, deferring
@@ -132,6 +133,7 @@ class WeiPipeRuntime:
         rng: Any = None,
         weight_pass: str = "replay",
         tracer: Optional[ActionTracer] = None,
+        order: str = DEFAULT_ORDER,
     ):
         """`comm_scope(flow)`, if given, is entered around every isend/irecv of that flow
         (e.g. to attribute bytes in a process-wide counter). `rng` (get_state/set_state)
@@ -176,7 +178,8 @@ class WeiPipeRuntime:
         self.comm_scope = comm_scope or (lambda flow: contextlib.nullcontext())
         self.rng = rng if rng is not None else detect_platform().rng_streams()
         self.actions = schedule.actions(self.ring_rank)
-        self.post_key = _post_keys(schedule, self.ring_rank)
+        self.steps = rank_posts(schedule, self.ring_rank, order=order, lookahead=lookahead)
+        self.batch_p2p = dist.get_backend(ring_group) == "nccl"
 
     # ------------------------------------------------------------------ public
 
@@ -219,29 +222,6 @@ class WeiPipeRuntime:
                                wgrad_peak_bytes=state.wgrad.peak_bytes, wgrad_deferred=state.wgrad.deferred)
 
 
-def _post_keys(schedule: Schedule, rank: int) -> dict[int, tuple[int, int]]:
-    """For each RECV on `rank` (by list index): (tick, index of the matching SEND in the
-    sender's list). Receives are posted in this order, i.e. per peer in the order the
-    peer sends, so matching holds even where tags are ignored (NCCL matches point-to-point
-    messages per peer in issue order)."""
-    sends: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for peer, acts in enumerate(schedule.ranks):
-        for j, a in enumerate(acts):
-            if a.kind is Kind.SEND and a.peer == rank:
-                sends[(peer, a.tag)].append(j)
-    taken: dict[tuple[int, int], int] = defaultdict(int)
-    keys = {}
-    for i, a in enumerate(schedule.actions(rank)):
-        if a.kind is Kind.RECV:
-            queue = sends[(a.peer, a.tag)]
-            n = taken[(a.peer, a.tag)]
-            if n >= len(queue):
-                raise ScheduleError(f"{a}: rank {a.peer} never sends it")
-            keys[i] = (a.tick, queue[n])
-            taken[(a.peer, a.tag)] += 1
-    return keys
-
-
 class _IterationState:
     """Buffers, saved activations and in-flight messages of one iteration."""
 
@@ -262,10 +242,9 @@ class _IterationState:
         self.next_input: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.bytes = ByteCounter()
-        self.posted: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.posted: dict[int, tuple[list, torch.Tensor]] = {}  # RECV index -> (works, tensor)
+        self.staged: dict[int, torch.Tensor] = {}  # SEND index -> tensor handed over, not yet posted
         self.sends: list = []
-        self.recv_order = [i for i, a in enumerate(rt.actions) if a.kind is Kind.RECV]
-        self.recv_cursor = 0
         # The iteration's deferred weight gradients; the split backwards defer into it.
         self.wgrad = WeightGradStore()
         self.defer = ({(a.mb, a.chunk) for a in rt.actions if a.kind is Kind.BACKWARD_WEIGHT}
@@ -277,22 +256,26 @@ class _IterationState:
         tick = None
         tracer = self.rt.tracer
         try:
-            for i, a in enumerate(self.rt.actions):
+            for step in self.rt.steps:
+                if isinstance(step, Post):
+                    self._post(step)
+                    continue
+                a = self.rt.actions[step]
                 if a.tick != tick:
                     tick = a.tick
                     self._reap_sends()
-                    self._post_recvs(upto_tick=tick + self.rt.lookahead)
                 if tracer is None:
-                    getattr(self, "_" + a.kind.value)(i, a)
+                    getattr(self, "_" + a.kind.value)(step, a)
                 else:
                     with tracer.action(a):
-                        getattr(self, "_" + a.kind.value)(i, a)
+                        getattr(self, "_" + a.kind.value)(step, a)
         finally:
-            for work, _ in self.sends:
-                work.wait()
+            for works, _ in self.sends:
+                for work in works:
+                    work.wait()
             self.sends.clear()
         leftover = {str(b): c for b, (c, _) in self.buffers.items()}
-        if leftover or self.posted:
+        if leftover or self.posted or self.staged:
             raise ScheduleError(f"rank {self.rt.ring_rank} ends with live buffers {leftover} or unreceived messages")
         self.wgrad.check_empty(f"rank {self.rt.ring_rank} at the end of the iteration")
 
@@ -301,34 +284,44 @@ class _IterationState:
     def _message_dtype(self, a: Action) -> torch.dtype:
         return self.rt.grad_dtype if a.flow is Flow.GRADS else self.rt.compute_dtype
 
-    def _post_recvs(self, upto_tick: int) -> None:
-        """Post the irecvs of every tick up to `upto_tick` (whole ticks, in sender order)."""
-        acts = self.rt.actions
-        batch = []
-        while self.recv_cursor < len(self.recv_order):
-            i = self.recv_order[self.recv_cursor]
-            if acts[i].tick > upto_tick:
-                break
-            batch.append(i)
-            self.recv_cursor += 1
-        for i in sorted(batch, key=self.rt.post_key.__getitem__):
-            self._post(i, acts[i])
-
     def _tag(self, a: Action) -> int:
         return a.tag if self.rt.use_tags else 0
 
-    def _post(self, i: int, a: Action) -> None:
-        t = torch.empty(self.rt.layout.numel, dtype=self._message_dtype(a), device=self.device)
-        with self.rt.comm_scope(a.flow):
-            work = dist.irecv(t, src=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
-        self.posted[i] = (work, t)
+    def _post(self, post: Post) -> None:
+        """Post `post.ops` in order: one isend/irecv each, or one batch_isend_irecv."""
+        ops = []
+        for i in post.ops:
+            a = self.rt.actions[i]
+            if a.kind is Kind.SEND:
+                t = self.staged.pop(i)
+            else:
+                t = torch.empty(self.rt.layout.numel, dtype=self._message_dtype(a), device=self.device)
+            ops.append((i, a, t))
+        if post.batched and self.rt.batch_p2p:  # gloo: the same posts one by one (its batch never completes here)
+            c10d = dist.distributed_c10d
+            works = dist.batch_isend_irecv([
+                dist.P2POp(c10d.isend if a.kind is Kind.SEND else c10d.irecv, t, self.rt.global_rank[a.peer],
+                           self.rt.group, self._tag(a)) for _, a, t in ops])
+            per_op = [works] * len(ops)
+        else:
+            per_op = []
+            for _, a, t in ops:
+                fn = dist.isend if a.kind is Kind.SEND else dist.irecv
+                with self.rt.comm_scope(a.flow):
+                    per_op.append([fn(t, self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))])
+        for (i, a, t), works in zip(ops, per_op):
+            if a.kind is Kind.SEND:
+                self.sends.append((works, t))
+            else:
+                self.posted[i] = (works, t)
 
     def _reap_sends(self) -> None:
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        self.sends = [(w, t) for w, t in self.sends if not all(x.is_completed() for x in w)]
 
     def _recv(self, i: int, a: Action) -> None:
-        work, t = self.posted.pop(i)  # posted at the start of its tick at the latest
-        work.wait()
+        works, t = self.posted.pop(i)  # the program posts it before this step
+        for work in works:
+            work.wait()
         self.bytes.count(a.flow.value, t.numel() * t.element_size(), sent=False)
         self._put(a, t)
 
@@ -336,9 +329,7 @@ class _IterationState:
         chunk, t = self.buffers.pop(a.buffer)
         if chunk != a.chunk:
             raise ScheduleError(f"{a}: buffer holds chunk {chunk}")
-        with self.rt.comm_scope(a.flow):
-            work = dist.isend(t, dst=self.rt.global_rank[a.peer], group=self.rt.group, tag=self._tag(a))
-        self.sends.append((work, t))
+        self.staged[i] = t  # posted by the next Post step that names it
         self.bytes.count(a.flow.value, t.numel() * t.element_size(), sent=True)
 
     # -------------------------------------------------------------- buffers

@@ -1,0 +1,400 @@
+#!/usr/bin/env python
+"""One real training iteration of one rank, without memory or compute: the bytes it needs.
+
+    python tools/dry_run.py <pretrain_gpt.py flags> --world-size N [--rank R] [--json]
+
+Rank R's real program runs once (after one optimizer step that creates Adam's state, so
+the peak is that of every later iteration): its model stage, schedule (WeiPipe runtime, megatron-core
+1F1B, FPDT chunks and offload), a forward/backward over its microbatches and the
+optimizer step, with every tensor a FakeTensor on the CPU (shapes and dtypes, no
+storage, no arithmetic) and torch's fake process group (collectives and messages return
+at once). Every tensor storage the program creates is followed from allocation to
+release; the peak of the live bytes that would sit on the accelerator is reported by
+role: parameters, gradients (main grads and .grad), optimizer state (fp32 master copies
+and Adam moments), communication buffers (WeiPipe's circulating weight / gradient
+tokens and their receive buffers), FPDT chunk state brought to the device, and
+activations (everything else). FPDT's host buffers (offload) are counted as host bytes.
+Sent bytes are the byte counter's exact point-to-point and collective payloads.
+Data are synthetic tokens of the configured shape (no corpus is read). A value read
+back to Python (.item(): finiteness checks, loss reporting) reads 1 / True; the
+optimizer step skips the gradient-norm read and clipping.
+
+With --json, stdout holds one JSON object: peak_accelerator_bytes, host_bytes,
+sent_bytes (integers), categories (role -> bytes at the peak), category_peaks (each
+role's own peak, what the estimator gives per role) and estimator (the
+simulator's memory estimator and byte model for the same run, same keys). Bad flags
+exit 2. `--attention flash` runs megatron-core's core attention through torch's fused
+kernel (what a GPU keeps: no s x s probabilities); default: the layers as built here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import warnings
+import weakref
+from dataclasses import replace
+from functools import partial
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+warnings.filterwarnings("ignore")
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers",
+              "fpdt_chunk_state")
+
+
+class Ledger:
+    """Live bytes per role, by storage; a storage's role is the innermost scope at its
+    allocation, or what `assign` later says it is."""
+
+    def __init__(self):
+        self.scopes: list[str] = []
+        self.live: dict[int, list] = {}  # id(storage) -> [role, nbytes, weakref]
+        self.by_role = {c: 0 for c in CATEGORIES + ("host",)}
+        self.peak = 0
+        self.peak_roles = dict(self.by_role)
+        self.host_peak = 0
+        self.role_peaks = dict(self.by_role)
+
+    @contextlib.contextmanager
+    def scope(self, role: str):
+        self.scopes.append(role)
+        try:
+            yield
+        finally:
+            self.scopes.pop()
+
+    def note(self, t) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.live and self.live[key][2]() is st:
+            return
+        role = self.scopes[-1] if self.scopes else "activations"
+        n = int(st.nbytes())
+        self.live[key] = [role, n, weakref.ref(st, lambda _r, k=key: self._free(k))]
+        self.by_role[role] += n
+        self._check()
+
+    def _free(self, key) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.by_role[entry[0]] -= entry[1]
+
+    def assign(self, tensors, role: str) -> None:
+        for t in tensors:
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            entry = self.live.get(id(st))
+            if entry is None or entry[2]() is not st:
+                self.note(t)
+                entry = self.live[id(st)]
+            self.by_role[entry[0]] -= entry[1]
+            entry[0] = role
+            self.by_role[role] += entry[1]
+        self._check()
+
+    def _check(self) -> None:
+        device = sum(v for k, v in self.by_role.items() if k != "host")
+        if device > self.peak:
+            self.peak, self.peak_roles = device, dict(self.by_role)
+        self.host_peak = max(self.host_peak, self.by_role["host"])
+        for k, v in self.by_role.items():
+            if v > self.role_peaks[k]:
+                self.role_peaks[k] = v
+
+
+def _tracking_mode(ledger: Ledger):
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:  # .item(): values do not exist here
+                dtype = args[0].dtype
+                return True if dtype is torch.bool else (1.0 if dtype.is_floating_point else 1)
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    ledger.note(t)
+            return out
+
+    return Track()
+
+
+def _patch_scopes(ledger: Ledger):
+    """Roles the program's own structure gives: WeiPipe ring buffers, FPDT chunk state."""
+    from megatron_weipipe.fpdt import offload
+    from megatron_weipipe.schedules.runtime import ring
+
+    def scoped(cls, name, role):
+        original = getattr(cls, name)
+
+        def inner(*a, **k):
+            with ledger.scope(role):
+                return original(*a, **k)
+
+        setattr(cls, name, inner)
+
+    # The runtime finds saved weight views by storage address; fake storages all have
+    # address 0, so find them by storage identity instead (same views, same bytes).
+    current = {}
+
+    class SwapByStorage(ring._WeightSwap):
+        def __init__(self, ptr):
+            super().__init__(ptr)
+            self.key = current["flat"]
+
+        def pack(self, t):
+            if t.untyped_storage()._cdata == self.key:
+                return (t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+            return t
+
+    ring._WeightSwap = SwapByStorage
+    forward = ring._IterationState._forward
+
+    def tracked_forward(self, i, a):
+        current["flat"] = self._get(a, a.buffer).untyped_storage()._cdata
+        return forward(self, i, a)
+
+    ring._IterationState._forward = tracked_forward
+    for name in ("_post", "_load", "_grad_init"):
+        scoped(ring._IterationState, name, "communication_buffers")
+
+    def reap(self):  # the fake group's works never say they completed; a real isend has by the next tick
+        self.sends = []
+
+    ring._IterationState._reap_sends = reap
+    init = ring._IterationState.__init__
+
+    def state_init(self, rt, master, microbatches, pre_fn, post_fn, main_grad, *rest):
+        ledger.assign([master, main_grad], "communication_buffers")  # the runtime's flat fp32 copies
+        init(self, rt, master, microbatches, pre_fn, post_fn, main_grad, *rest)
+
+    ring._IterationState.__init__ = state_init
+    for name in ("prefetch", "get"):
+        scoped(offload.ChunkStore, name, "fpdt_chunk_state")
+    scoped(offload.HostBufferPool, "take", "host")
+
+
+def _local_object_collectives(dist) -> None:
+    """Object collectives pickle through real tensors; in a dry run every rank is this one."""
+    def all_gather_object(out, obj, group=None):
+        for i in range(len(out)):
+            out[i] = obj
+
+    dist.all_gather_object = all_gather_object
+    dist.broadcast_object_list = lambda objs, *a, **k: None
+
+    class _Handle:  # fake tensors have no coalesced collectives: each runs on its own
+        works: list = []
+
+        def wait(self):
+            pass
+
+    @contextlib.contextmanager
+    def coalescing(*a, **k):
+        yield _Handle()
+
+    from megatron.core.distributed import param_and_grad_buffer
+
+    param_and_grad_buffer._coalescing_manager = coalescing
+
+
+def _quiet_rng() -> None:
+    """megatron-core's RNG tracker compares CPU RNG states by value around each fork; a dry
+    run has no values (and its dropout masks need none)."""
+    from megatron.core.tensor_parallel import random as mr
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        yield
+
+    mr.CudaRNGStatesTracker.fork = fork
+
+
+def _flash_attention() -> None:
+    """--attention flash: megatron-core's core attention through torch's fused SDPA kernel,
+    which saves the output and a log-sum-exp per query instead of the s x s probabilities
+    (what TE / flash attention keep on a GPU). Causal, no dropout, as FPDT-style runs."""
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=k.size(1) != q.size(1))
+        return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), -1)
+
+    DotProductAttention.forward = forward
+
+
+def _synthetic_batches(cfg, n: int, vocab: int):
+    import torch
+
+    b, s = cfg.training.micro_batch_size, cfg.model.seq_length
+    out = []
+    for _ in range(n):
+        tokens = torch.zeros(b, s, dtype=torch.long)
+        out.append({"tokens": tokens, "labels": tokens.clone(), "loss_mask": torch.ones(b, s),
+                    "position_ids": torch.arange(s).expand(b, s).clone()})
+    return out
+
+
+def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
+    os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), str(rank)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    from megatron_weipipe.arguments import parse_config
+
+    cfg = parse_config(argv, world_size)
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_weipipe.initialize import initialize_distributed
+    from megatron_weipipe.data.tokenizers import build_tokenizer
+    from megatron_weipipe.shape import padded_vocab_size
+    from megatron_weipipe.schedules import registry
+    from megatron_weipipe.training.optimizer import build_optimizer
+    import pretrain_gpt
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _local_object_collectives(dist)
+    swap = torch.utils.swap_tensors
+
+    def swap_or_set(t1, t2):  # module.to(bf16) swaps fake parameters, which the fake mode holds weakly
+        try:
+            swap(t1, t2)
+        except RuntimeError:
+            t1.data = t2.detach()
+
+    torch.utils.swap_tensors = swap_or_set
+    _quiet_rng()
+    if attention == "flash":
+        _flash_attention()
+    ctx = initialize_distributed(cfg)
+    ledger = Ledger()
+    _patch_scopes(ledger)
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
+    vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ctx.groups.tp_size)
+    started = time.time()
+    with FakeTensorMode(allow_non_fake_inputs=True), _tracking_mode(ledger):
+        schedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
+        chunks = schedule.build_model(partial(pretrain_gpt.model_provider, cfg, vocab))
+        params = [p for m in chunks for p in m.parameters()]
+        ledger.assign(params, "parameters")
+        ledger.assign([getattr(p, "main_grad", None) for p in params], "gradients")
+        with ledger.scope("optimizer_state"):
+            optimizer = build_optimizer(cfg, chunks)
+            optimizer.prepare_grads()
+            optimizer.step_with_ready_grads()  # Adam's moments exist from the first step on: steady state
+        _, _, n_mb = schedule.data_shard()
+        batches = _synthetic_batches(cfg, n_mb, vocab)
+        ctx.bytes.reset()
+        schedule.zero_grad()
+        optimizer.zero_grad()
+        schedule.forward_backward(pretrain_gpt_forward_step(), batches)
+        ledger.assign([p.grad for p in params], "gradients")
+        with ledger.scope("optimizer_state"):
+            optimizer.prepare_grads()
+            optimizer.step_with_ready_grads()
+    sent = sum(ctx.bytes.sent.values())
+    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size, attention)
+    roles = {c: int(ledger.peak_roles[c]) for c in CATEGORIES}
+    return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name,
+            "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
+            "sent_bytes": int(sent), "categories": roles, "seconds": round(time.time() - started, 1),
+            "category_peaks": {c: int(ledger.role_peaks[c]) for c in CATEGORIES}, "estimator": estimated}
+
+
+def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
+    """The simulator's memory estimator and byte model for the same run and pipeline rank,
+    in the dry run's roles (megatron-core's local layers: unfused attention)."""
+    from megatron_weipipe.simulator import memory
+    from megatron_weipipe.simulator.fpdt import analyse
+    from megatron_weipipe.simulator.hardware import HOST_LINKS, Cluster, device_preset, link_preset
+    from megatron_weipipe.simulator.project import counter_bytes, rank_memory
+    from megatron_weipipe.simulator.run_spec import spec_from_config
+
+    cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
+    spec = spec_from_config(cfg, attention_impl="unfused+flash" if attention == "flash" else "unfused")
+    schedule = spec.build_schedule()
+    fp = None
+    if spec.fpdt is not None:
+        cluster = Cluster(device_preset("a100"), link_preset("nvlink3"), link_preset("ib"), host_link=HOST_LINKS["pcie4"])
+        fp = analyse(spec.shape, spec.fpdt, cluster, cp=spec.layout.cp, tp=spec.layout.tp,
+                     dtype_bytes=spec.compute_bytes)
+    mem = rank_memory(spec, schedule, fp)[pp_rank]
+    state = memory.state_bytes_for(spec.compute_bytes)
+    if spec.distributed_optimizer:
+        state = memory.StateBytes(state.param, state.grad, state.optimizer,
+                                  optimizer_shards=spec.layout.dp * spec.layout.cp)
+    roles = {
+        "parameters": mem.params * state.param / state.param_shards,
+        "gradients": mem.params * state.grad / state.param_shards,
+        "optimizer_state": mem.params * state.optimizer / state.optimizer_shards,
+        "activations": mem.activations + mem.transient,
+        "communication_buffers": mem.buffers,
+        "fpdt_chunk_state": 0,
+    }
+    roles = {k: int(v) for k, v in roles.items()}
+    return {"peak_accelerator_bytes": int(mem.total), "categories": roles,
+            "host_bytes": int(fp.host_bytes_per_rank) if fp is not None else 0,
+            "sent_bytes": int(sum(counter_bytes(spec, schedule)[pp_rank].values()))}
+
+
+def pretrain_gpt_forward_step():
+    from megatron_weipipe.model.gpt_step import forward_step
+
+    return forward_step
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--attention", choices=("local", "flash"), default="local")
+    own, rest = ap.parse_known_args(argv)
+    if own.world_size < 1 or not 0 <= own.rank < own.world_size:
+        print(f"dry_run: --rank must be in 0..{own.world_size - 1} and --world-size >= 1", file=sys.stderr)
+        return 2
+    from megatron_weipipe.config import ConfigError
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the program's own prints stay off stdout
+            out = dry_run(rest, own.world_size, own.rank, own.attention)
+    except ConfigError as e:
+        print(f"dry_run: {e}", file=sys.stderr)
+        return 2
+    if own.json:
+        print(json.dumps(out))
+        return 0
+    print(f"dry run of rank {own.rank} of {own.world_size} ({out['schedule']}), {out['seconds']} s:")
+    est = out["estimator"]
+    print("| role | at the peak (bytes) | at the peak | own peak | estimator | estimator / own peak |\n"
+          "|---|---|---|---|---|---|")
+    rows = [(c, out["categories"][c], out["category_peaks"][c], est["categories"][c]) for c in CATEGORIES]
+    rows += [(name, out[key], out[key], est[key]) for name, key in (
+        ("**accelerator peak**", "peak_accelerator_bytes"), ("host (offload)", "host_bytes"),
+        ("sent per iteration", "sent_bytes"))]
+    for name, got, own, want in rows:
+        ratio = f"{want / own:.3f}" if own else ("-" if not want else "inf")
+        print(f"| {name} | {got} | {_gib(got)} | {_gib(own)} | {_gib(want)} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
