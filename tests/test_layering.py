@@ -181,3 +181,38 @@ def test_configuration_and_simulator_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+# docs/architecture.md's table of layers, top to bottom; a module may import its own layer
+# and the layers below it.
+LAYERS = (
+    ("entry points", ("cli", "launch")),
+    ("training loop", ("training",)),
+    ("simulator", ("simulator",)),
+    ("start-up", ("initialize", "arguments")),
+    ("schedules", ("schedules",)),
+    ("model", ("model",)),
+    ("kernels and data", ("fpdt", "data")),
+    ("configuration", ("config", "data.config", "fpdt.config", "megatron_compat", "shape", "flags", "errors")),
+    ("services", ("platform", "parallel", "byte_counter", "faults", "context", "lazy")),
+)
+
+
+def _layer(module: str) -> int:
+    """Index of the layer holding ``module`` (the most specific entry wins: data.config is configuration)."""
+    best, depth = None, -1
+    for index, (_, parts) in enumerate(LAYERS):
+        for part in parts:
+            if _in(module, part) and part.count(".") > depth:
+                best, depth = index, part.count(".")
+    if module == PACKAGE:
+        return len(LAYERS) - 1
+    assert best is not None, f"{module} is in no layer of docs/architecture.md"
+    return best
+
+
+def test_each_layer_imports_only_itself_and_the_layers_below():
+    upward = sorted(f"{m} ({LAYERS[_layer(m)][0]}) -> {d} ({LAYERS[_layer(d)][0]})"
+                    for m, deps in GRAPH.items() for d in deps
+                    if d in MODULES and _layer(d) < _layer(m))
+    assert not upward, upward

@@ -15,7 +15,7 @@ _EXPORTS = {
     "build_gpt_dataset_config": "datasets",
     "build_train_valid_test_datasets": "datasets",
     "PretrainingSampler": "samplers",
-    "TOKENIZER_TYPES": "tokenizers",
+    "TOKENIZER_TYPES": "config",
     "ByteLevelTokenizer": "tokenizers",
     "HuggingFaceTokenizer": "tokenizers",
     "NullTokenizer": "tokenizers",

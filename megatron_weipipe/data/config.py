@@ -127,6 +127,33 @@ def parse_blend(data_path: Sequence[str]) -> tuple[list[str], list[float] | None
     return items, None
 
 
+TOKENIZER_TYPES = (
+    "ByteLevelTokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "NullTokenizer",
+)
+
+
+def check_tokenizer_args(
+    tokenizer_type: str | None, tokenizer_model: str | None, vocab_size: int | None
+) -> None:
+    """Raise ValueError with one sentence if these arguments cannot build a tokenizer."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(
+            f"tokenizer_type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}."
+        )
+    if tokenizer_type in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
+        if not tokenizer_model:
+            raise ValueError(f"{tokenizer_type} needs tokenizer_model, the path of a local file.")
+        if not os.path.isfile(tokenizer_model):
+            raise ValueError(f"tokenizer_model file {tokenizer_model} does not exist.")
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ValueError("NullTokenizer needs vocab_size, a positive integer.")
+
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     """Where training text comes from and how samples are cut from it."""
@@ -163,8 +190,6 @@ class DataConfig:
             raise ValueError(f"split {self.split!r} must be up to three numbers like '969,30,1'.")
         if sum(float(x) for x in re.split(r"[,/]", self.split)) <= 0:
             raise ValueError(f"split {self.split!r} must have a positive total.")
-        from megatron_weipipe.data.tokenizers import check_tokenizer_args
-
         check_tokenizer_args(self.tokenizer_type, self.tokenizer_model, self.vocab_size)
         if self.data_cache_path is not None and os.path.exists(self.data_cache_path):
             if not os.path.isdir(self.data_cache_path):

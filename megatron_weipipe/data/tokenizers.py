@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
+from megatron_weipipe.data.config import TOKENIZER_TYPES, check_tokenizer_args
+
 try:  # megatron-core <= 0.16 ships the legacy base; later releases may drop it.
     from megatron.core.datasets.megatron_tokenizer import (
         MegatronLegacyTokenizer as _MegatronBase,
@@ -23,13 +25,6 @@ except ImportError:  # pragma: no cover - depends on the installed megatron-core
         from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer as _MegatronBase
     except ImportError:
         _MegatronBase = ABC  # type: ignore[misc,assignment]
-
-TOKENIZER_TYPES = (
-    "ByteLevelTokenizer",
-    "HuggingFaceTokenizer",
-    "SentencePieceTokenizer",
-    "NullTokenizer",
-)
 
 # Names tried, in order, for the end-of-document token of a tokenizer.json.
 EOD_TOKEN_CANDIDATES = (
@@ -304,24 +299,6 @@ class SentencePieceTokenizer(Tokenizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"])
-
-
-def check_tokenizer_args(
-    tokenizer_type: str | None, tokenizer_model: str | None, vocab_size: int | None
-) -> None:
-    """Raise ValueError with one sentence if these arguments cannot build a tokenizer."""
-    if tokenizer_type not in TOKENIZER_TYPES:
-        raise ValueError(
-            f"tokenizer_type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}."
-        )
-    if tokenizer_type in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
-        if not tokenizer_model:
-            raise ValueError(f"{tokenizer_type} needs tokenizer_model, the path of a local file.")
-        if not os.path.isfile(tokenizer_model):
-            raise ValueError(f"tokenizer_model file {tokenizer_model} does not exist.")
-    if tokenizer_type == "NullTokenizer":
-        if vocab_size is None or int(vocab_size) < 1:
-            raise ValueError("NullTokenizer needs vocab_size, a positive integer.")
 
 
 def build_tokenizer(
