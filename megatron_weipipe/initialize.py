@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import random
+import socket
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ def initialize_distributed(cfg: PretrainConfig) -> RunContext:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "MASTER_ADDR" not in os.environ:  # a plain `python pretrain_gpt.py` single process
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     if dist.get_world_size() != cfg.world_size:
         raise RuntimeError(
@@ -59,6 +60,14 @@ def initialize_distributed(cfg: PretrainConfig) -> RunContext:
     groups = ParallelGroups.from_parallel_state()
     set_random_seed(cfg.training.seed, groups)
     return RunContext(groups=groups, platform=platform, bytes=counter)
+
+
+def _free_port() -> int:
+    """A port no one listens on now: the store of a single process needs one of its own,
+    and a fixed or pid-derived choice collides with other runs on the same host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def set_random_seed(seed: int, groups: ParallelGroups) -> None:

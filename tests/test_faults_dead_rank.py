@@ -127,6 +127,9 @@ def test_frozen_rank_is_found_by_its_heartbeat():
     try:
         pids = job.wait_ranks(90)
         job.wait_for(r"iteration\s+5/", 120)
+        # Until rank 2's watchdog has published a phase past start-up (its first ticks),
+        # its watcher gives no heartbeat verdict: collective timeouts cover start-up.
+        time.sleep(5 * float(ENV["MEGATRON_WEIPIPE_WATCHDOG_INTERVAL"]) + 1.0)
         job.sample()
         t0 = time.monotonic()
         os.kill(pids[2], signal.SIGSTOP)

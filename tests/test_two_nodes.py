@@ -173,6 +173,10 @@ def _start_long_job(testbed):
     while len(ranks := _hosts_of_ranks(job)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert len(ranks) == 2, ranks
+    # A watchdog publishes its rank's phase at its first ticks; until then a peer reads
+    # "start-up", in which no heartbeat verdict is given (collective timeouts cover it).
+    # Iterations here are faster than the first ticks, so let every watchdog publish.
+    time.sleep(5 * INTERVAL_S + 1.0)
     return job, ranks
 
 
