@@ -37,10 +37,13 @@ def initialize_distributed(cfg: PretrainConfig) -> RunContext:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if platform.is_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        init_method = None  # the launcher's MASTER_ADDR / MASTER_PORT
         if "MASTER_ADDR" not in os.environ:  # a plain `python pretrain_gpt.py` single process
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
+            # A store of its own on a free port; the process environment is left alone, so
+            # nothing this process starts later inherits a port that is no longer its own.
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world,
+                                timeout=timeout)
     if dist.get_world_size() != cfg.world_size:
         raise RuntimeError(
             f"configuration was validated for world size {cfg.world_size} but the process group has "

@@ -144,6 +144,8 @@ def test_pipeline_across_two_hosts_matches_single_process(testbed):
         job.close()
     got = losses(job.output())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):  # a single process of its own
+        env.pop(key, None)
     ref = subprocess.run([sys.executable, PRETRAIN, *tiny_args(6, make_vocab_size_divisible_by=512)],
                          env=env, capture_output=True, text=True, timeout=240)
     assert ref.returncode == 0, ref.stderr[-2000:]
