@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 import warnings
 
-# megatron-core announces every fallback it takes when TE/apex are absent (CPU hosts).
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+from megatron_weipipe.platform import quiet_host_notices  # noqa: E402
+
+quiet_host_notices()  # megatron-core's TE/apex fallbacks, torch's missing CUDA driver
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
 

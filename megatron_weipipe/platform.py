@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,27 @@ class Platform:
 
     def rng_streams(self, *, host: bool = False, tracker=None) -> "RNGStreams":
         return RNGStreams(self, host=host, tracker=tracker)
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_host_notices() -> None:
+    """Silence what megatron-core and torch announce about the host rather than the run.
+
+    Without TE/apex, megatron-core warns of each fallback it takes; a CUDA build of torch
+    on a host with a CUDA toolkit but no driver logs "No CUDA runtime is found" when
+    megatron-core imports ``torch.utils.cpp_extension``. Entry points call this first, so
+    bad input stays one line on stderr. Nothing else from those loggers is dropped.
+    """
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_DropNotice("No CUDA runtime is found"))
 
 
 def detect_platform() -> Platform:

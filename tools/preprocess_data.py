@@ -15,13 +15,14 @@ import multiprocessing
 import os
 import sys
 import time
-import warnings
 from typing import Any, Iterator
 
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+from megatron_weipipe.platform import quiet_host_notices  # noqa: E402
+
+quiet_host_notices()
 
 
 class InputError(Exception):

@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
 from megatron_weipipe.data.config import TOKENIZER_TYPES, check_tokenizer_args
+from megatron_weipipe.mcore_versions import tokenizer_base
 
-try:  # megatron-core <= 0.16 ships the legacy base; later releases may drop it.
-    from megatron.core.datasets.megatron_tokenizer import (
-        MegatronLegacyTokenizer as _MegatronBase,
-    )
-except ImportError:  # pragma: no cover - depends on the installed megatron-core
-    try:
-        from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer as _MegatronBase
-    except ImportError:
-        _MegatronBase = ABC  # type: ignore[misc,assignment]
+_MegatronBase = tokenizer_base()
 
 # Names tried, in order, for the end-of-document token of a tokenizer.json.
 EOD_TOKEN_CANDIDATES = (
@@ -75,6 +68,10 @@ class Tokenizer(_MegatronBase):
     @property
     def vocab(self) -> dict[str, int]:
         raise NotImplementedError(f"{type(self).__name__} has no vocab mapping")
+
+    def apply_chat_template(self, *args, **kwargs):
+        """Pretraining tokenizers carry no chat template (megatron-core >= 0.17's base asks for one)."""
+        raise NotImplementedError(f"{type(self).__name__} has no chat template")
 
     @property
     def inv_vocab(self) -> dict[int, str]:

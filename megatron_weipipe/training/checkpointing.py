@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_weipipe import faults
+from megatron_weipipe import faults, mcore_versions
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.context import RunContext
 from megatron_weipipe.flags import to_flags
@@ -278,7 +278,7 @@ def save_weights(cfg: PretrainConfig, model_chunks, root: str, extra: Optional[d
 
 
 def saved_common(root: str) -> dict:
-    """common.pt of the checkpoint ``root``'s tracker names (read as data only)."""
+    """The common state of the checkpoint ``root``'s tracker names (read as data only)."""
     iteration = read_tracker(root)
     if iteration is None:
         raise CheckpointError(f"{root}: no complete checkpoint ({TRACKER} is missing)")
@@ -323,7 +323,7 @@ def _agree(error: Optional[str]) -> None:
 
 
 def _check_before_loading(cfg: PretrainConfig, path: str) -> dict:
-    """Every file present, whole and plain data, and the model shape the same; returns common.pt."""
+    """Every file present, whole and plain data, and the model shape the same; returns the common state."""
     try:
         safe_load.check_checkpoint_files(path)
         common = safe_load.load_common(path)
@@ -335,7 +335,7 @@ def _check_before_loading(cfg: PretrainConfig, path: str) -> dict:
             f"{k} {saved_shape.get(k)} in the checkpoint vs {v} requested"
             for k, v in _model_shape(cfg).items() if saved_shape.get(k) != v
         )
-        raise CheckpointError(f"--load {path}/common.pt: the checkpoint's model shape differs: {diff}")
+        raise CheckpointError(f"--load {path}: the checkpoint's model shape differs: {diff}")
     return common
 
 
@@ -380,7 +380,9 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
                              load_optimizer=load_optimizer)
     try:
         with safe_load.safe_byte_objects():
-            state = dist_checkpointing.load(sharded, path, common_strategy=safe_load.common_strategy())
+            common_kwargs = {"common_strategy": safe_load.common_strategy()} \
+                if mcore_versions.load_takes_common_strategy() else {}
+            state = dist_checkpointing.load(sharded, path, **common_kwargs)
     except Exception as e:
         raise CheckpointError(f"--load: cannot load {path} ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):

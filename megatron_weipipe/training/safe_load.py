@@ -7,8 +7,10 @@ would execute whatever a tampered file asks for:
   unpickle it first with an allow-list of the checkpoint metadata classes (dataclasses
   and enums of torch.distributed.checkpoint, torch.Size, dtypes and layouts); anything
   else is refused before the stock reader sees the file.
-- ``common.pt``: loaded here with ``torch.load(weights_only=True)`` whatever the
-  torch version's default or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD say.
+- the common state: ``common.pt`` (megatron-core 0.16) or the ``common_state`` object
+  inside the ``.distcp`` files (0.17+, whose own reader unpickles it in full): loaded here
+  with ``torch.load(weights_only=True)`` whatever the torch version's default or
+  TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD say.
 - byte objects inside ``.distcp`` files (our RNG state): torch's planner loads them with
   ``weights_only=False``; our planner uses ``weights_only=True``. The RNG state is
   saved as tensors and Python scalars; numpy arrays of numbers (how earlier versions
@@ -33,6 +35,7 @@ import torch
 
 _METADATA = ".metadata"
 _COMMON = "common.pt"
+_COMMON_OBJECT = "common_state/"  # key prefix of the common state inside .distcp (0.17+)
 _MODULES = (
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.planner",
@@ -69,6 +72,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         elif (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
+        elif module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # torch's writer records its path
+            return super().find_class(module, name)
         elif module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(f"refuses to import {module}.{name}")
@@ -112,18 +117,65 @@ def check_checkpoint_files(checkpoint_dir: str) -> None:
         if have < size:
             raise ValueError(f"checkpoint shard {shard} is truncated: {have} bytes, its metadata needs {size}")
     common = os.path.join(checkpoint_dir, _COMMON)
-    if not os.path.isfile(common):
-        raise ValueError(f"{common} is missing")
+    if not os.path.isfile(common) and _common_object_key(metadata) is None:
+        raise ValueError(f"{common} is missing (and the shards hold no common state)")
+
+
+def _common_object_key(metadata) -> str | None:
+    """Key of the common-state object inside the shards (megatron-core 0.17+), or None."""
+    keys = getattr(metadata, "state_dict_metadata", None) or {}
+    return next((k for k in keys if k.startswith(_COMMON_OBJECT)), None)
 
 
 def load_common(checkpoint_dir: str) -> dict:
-    """``common.pt`` as plain data (tensors, numbers, strings, containers)."""
+    """The common state as plain data (tensors, numbers, strings, containers).
+
+    From ``common.pt`` where there is one, else from the ``common_state`` object in the shards.
+    """
+    checkpoint_dir = str(checkpoint_dir)
     path = os.path.join(checkpoint_dir, _COMMON)
+    if not os.path.isfile(path):
+        try:
+            key = _common_object_key(read_metadata(checkpoint_dir))
+        except Exception:  # no or unsafe metadata: report the missing common.pt below
+            key = None
+        if key is not None:
+            return _load_common_object(checkpoint_dir, key)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(f"{path} is unreadable, truncated or not plain data ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})") from None
+
+
+def _load_common_object(checkpoint_dir: str, key: str) -> dict:
+    """megatron-core 0.17+'s common state: its pickled bytes, unpickled with weights_only=True."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _MetadataAsData(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return read_metadata(checkpoint_dir)
+
+    raw: dict[str, bytes] = {}
+
+    class _RawBytes(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            raw[read_item.dest_index.fqn] = value.getvalue()
+
+    try:
+        load({key: io.BytesIO()}, storage_reader=_MetadataAsData(checkpoint_dir),
+             planner=_RawBytes(flatten_state_dict=False), no_dist=True)
+        with torch.serialization.safe_globals([io.BytesIO]):  # dcp pickles the object's BytesIO
+            loaded = torch.load(io.BytesIO(raw[key]), map_location="cpu", weights_only=True)
+        if isinstance(loaded, io.BytesIO):  # inside it, megatron-core's torch.save of the state
+            with torch.serialization.safe_globals(_numpy_array_globals()):
+                loaded = torch.load(loaded, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{checkpoint_dir}: the common state ({key}) is unreadable, truncated or not plain data "
+                         f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})"
+                         ) from None
+    return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
 
 
 def common_strategy():
@@ -177,12 +229,21 @@ def _numpy_array_globals() -> list:
 
 @contextlib.contextmanager
 def safe_byte_objects():
-    """While loading, megatron-core's torch_dist reader builds our planner instead of its own."""
+    """While loading, megatron-core's torch_dist reader builds our planner instead of its own
+    and reads the common state through ``load_common``."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 
-    original = mcore_torch.MCoreLoadPlanner
-    mcore_torch.MCoreLoadPlanner = _safe_planner_class()
+    from megatron_weipipe import mcore_versions
+
+    patches = [(mcore_torch, "MCoreLoadPlanner", _safe_planner_class())]
+    owner = mcore_versions.common_state_loader_owner()
+    if owner is not None:
+        patches.append((owner, "load_common_state_dict", load_common))
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        mcore_torch.MCoreLoadPlanner = original
+        for module, name, value in originals:
+            setattr(module, name, value)

@@ -18,12 +18,13 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+from megatron_weipipe.platform import quiet_host_notices  # noqa: E402
+
+quiet_host_notices()
 
 from hf_llama import ConversionError, hf_config, hf_to_mcore, mcore_to_hf, model_flags, shape_from_flags, shape_from_hf  # noqa: E402,E501
 

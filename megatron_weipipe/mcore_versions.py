@@ -1,0 +1,69 @@
+"""What differs between the megatron-core releases this package supports (0.16 to 0.19).
+
+Every version-dependent use of megatron-core goes through here, detected by feature rather
+than by version number, so a patch release that backports a change needs nothing new:
+
+- checkpoint common state: 0.16 writes ``common.pt`` and its ``dist_checkpointing.load``
+  takes a ``common_strategy``; from 0.17 the common state is a ShardedObject
+  (``common_state``) inside the ``.distcp`` files, ``load`` has no such argument and reads
+  it through ``serialization.load_common_state_dict``;
+- tokenizer base class: 0.16 has ``MegatronLegacyTokenizer`` in
+  ``megatron.core.datasets.megatron_tokenizer``; later releases move the tokenizers to
+  ``megatron.core.tokenizers`` and keep (or drop) a ``MegatronTokenizer`` there.
+
+Imports of megatron-core happen inside the functions: the configuration and the simulator
+import this package without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from abc import ABC
+
+SUPPORTED = ("0.16", "0.17", "0.18", "0.19")
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    """The installed megatron-core's version string."""
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def load_takes_common_strategy() -> bool:
+    """Whether ``dist_checkpointing.load`` reads a separate ``common.pt`` through a strategy (0.16)."""
+    from megatron.core import dist_checkpointing
+
+    return "common_strategy" in inspect.signature(dist_checkpointing.load).parameters
+
+
+def common_state_loader_owner():
+    """The module whose ``load_common_state_dict`` reads the common state inside ``load`` (0.17+), or None.
+
+    That reader unpickles the common state with ``weights_only=False`` (through torch's
+    default load planner), so the safe loader replaces it there while loading.
+    """
+    if load_takes_common_strategy():
+        return None
+    from megatron.core.dist_checkpointing import serialization
+
+    return serialization if hasattr(serialization, "load_common_state_dict") else None
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer_base() -> type:
+    """The base class megatron-core's datasets expect a tokenizer to derive from."""
+    candidates = (
+        ("megatron.core.datasets.megatron_tokenizer", "MegatronLegacyTokenizer"),  # 0.16
+        ("megatron.core.datasets.megatron_tokenizer", "MegatronTokenizer"),
+        ("megatron.core.tokenizers", "MegatronTokenizerBase"),
+    )
+    for module, name in candidates:
+        try:
+            return getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            continue
+    return ABC
