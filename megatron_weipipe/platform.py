@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,6 +34,8 @@ class Platform:
 
     device_type: str  # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
+    # None: look for the package; True/False: a stated capability (tests fake a TE host).
+    transformer_engine: Optional[bool] = None
 
     @property
     def is_cuda(self) -> bool:
@@ -49,6 +52,8 @@ class Platform:
     def transformer_engine_available(self) -> bool:
         import importlib.util
 
+        if self.transformer_engine is not None:
+            return self.is_cuda and self.transformer_engine
         return self.is_cuda and importlib.util.find_spec("transformer_engine") is not None
 
     def peak_memory_gb(self) -> tuple[float, str]:
