@@ -49,6 +49,10 @@ class Platform:
     def current_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
 
+    def device_count(self) -> int:
+        """CUDA devices visible to this process (0 on a CPU host)."""
+        return torch.cuda.device_count() if self.is_cuda else 0
+
     def transformer_engine_available(self) -> bool:
         import importlib.util
 
