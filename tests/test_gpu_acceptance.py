@@ -78,3 +78,24 @@ def test_a_raising_check_fails_its_rows_and_skip_marks_rows(tmp_path):
     skipped = gpu_acceptance.run_group(Group("cpu", ("a",), boom, 0), _host(tmp_path), {"a"})
     assert skipped[0]["result"] == "SKIPPED" and skipped[0]["reason"] == "excluded by --skip"
     assert gpu_acceptance.exit_code(skipped, require_cpu_checks=True) == 1
+
+
+def test_overlap_share_counts_copy_time_under_kernels_of_other_streams():
+    from types import SimpleNamespace as NS
+
+    from acceptance.kernels import _overlap_share
+
+    def ev(name, start, end, stream, device="DeviceType.CUDA"):
+        return NS(name=name, device_type=device, device_resource_id=stream, time_range=NS(start=start, end=end))
+
+    events = [
+        ev("Memcpy DtoH (Device -> Pinned)", 0, 100, 9),
+        ev("Memcpy HtoD (Pinned -> Device)", 200, 300, 9),
+        ev("void flash_fwd_kernel", 50, 120, 7),  # covers 50 of the first copy
+        ev("void gemm", 60, 80, 7),  # inside the same span: not counted twice
+        ev("void other_on_copy_stream", 200, 300, 9),  # same stream: not overlap
+        ev("cudaLaunchKernel", 0, 300, 0, device="DeviceType.CPU"),
+    ]
+    share, copy_ms = _overlap_share(events)
+    assert share == 50 / 200 and copy_ms == 0.2
+    assert _overlap_share([])[0] == 0.0

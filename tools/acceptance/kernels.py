@@ -98,20 +98,20 @@ def chunked_check(device: str, dtype: torch.dtype, S: int = 512, chunks: int = 4
 
 
 def _overlap_share(events) -> tuple[float, float]:
-    """Share of memcpy time (host<->device) during which a kernel ran on another stream."""
-    def span(e):
-        return e.time_range.start, e.time_range.end
+    """(share of host<->device memcpy time during which a kernel ran on another stream, copy ms).
 
+    ``events`` are the profiler's FunctionEvents; device activities carry their CUDA stream
+    in ``device_resource_id`` and their interval in ``time_range`` (microseconds)."""
     copies, kernels = [], []
     for e in events:
-        name = e.name.lower()
-        if getattr(e, "device_type", None) is None or "cuda" not in str(e.device_type).lower():
+        if "cuda" not in str(getattr(e, "device_type", "")).lower():
             continue
-        stream = getattr(e, "stream", None) if hasattr(e, "stream") else None
+        name, stream = e.name.lower(), getattr(e, "device_resource_id", None)
+        interval = (e.time_range.start, e.time_range.end, stream)
         if "memcpy" in name and ("htod" in name or "dtoh" in name):
-            copies.append((*span(e), stream))
+            copies.append(interval)
         elif "memcpy" not in name and "memset" not in name:
-            kernels.append((*span(e), stream))
+            kernels.append(interval)
     total = sum(b - a for a, b, _ in copies)
     overlapped = 0.0
     for a, b, s in copies:

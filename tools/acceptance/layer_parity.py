@@ -32,7 +32,7 @@ FLAGS = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 
          "--position-embedding-type rope --untie-embeddings-and-output-weights --allow-unverified-gpu-paths").split()
 # logits/loss/grads, norm-relative; fp32 leaves room for TE's fused kernels and its attention
 # backend (flash / cuDNN) summing in another order than the local unfused path.
-TOL = {"fp32": 1e-3, "bf16": 3e-2}
+TOL = {"fp32": 2e-3, "bf16": 5e-2}
 TE_NAME_MAP = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
                ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
 
