@@ -76,7 +76,7 @@ def table(rows: list[dict], host: Host, elapsed: float) -> str:
     for r in rows:
         result = f"SKIPPED ({r['reason']})" if r["result"] == "SKIPPED" else r["result"]
         t = f"{r['seconds']:.1f} s" if r["result"] != "SKIPPED" else ""
-        lines.append(f"| {r['check']} | {r['needs']} | {result} | {r['figure']} | {t} |")
+        lines.append(f"| {r['check']} | {r['needs']} | {result} | {r['figure'].replace('|', '/')} | {t} |")
     return "\n".join(lines)
 
 

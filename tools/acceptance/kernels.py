@@ -43,7 +43,7 @@ def kernel_check(device: str, dtype: torch.dtype, s: int = 256, d: int = 64):
     kern = select_kernel("auto", device, dtype, d)
     err = self_check(kern, device, dtype, hq=4, hkv=2, s=s, d=d)
     tol = KERNEL_TOL[dtype]
-    figure = f"{kern.name}: max |err| {err:.2g} (tol {tol:g}; b1 h4/2 s{s}+{s} d{d})"
+    figure = f"{kern.name}: max abs err {err:.2g} (tol {tol:g}; b1 h4/2 s{s}+{s} d{d})"
     return err <= tol, figure, time.perf_counter() - t0
 
 
