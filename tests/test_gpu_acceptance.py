@@ -15,7 +15,8 @@ from acceptance.checks import Group, Host
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CHECKS = {"nccl-ordering", "fpdt-kernel-cpu-fp32", "fpdt-kernel-cpu-bf16", "fpdt-chunked-cpu-fp32",
               "fpdt-chunked-cpu-bf16", "layer-parity-harness-fp32", "layer-parity-harness-bf16",
-              "gloo-parity-1f1b", "gloo-parity-weipipe-interleave"}
+              *(f"gloo-parity-{s}" for s in ("1f1b", "interleaved", "weipipe-naive", "weipipe-interleave",
+                                             "weipipe-zb", "fpdt-cp2"))}
 
 
 def test_acceptance_script(tmp_path):
