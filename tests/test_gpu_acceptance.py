@@ -55,7 +55,7 @@ def test_exit_status_rules():
 
 def test_skip_reasons(tmp_path):
     def g(needs):
-        return Group(needs, ("c",), lambda host: {}, 0)
+        return Group(needs, ("c",), lambda host: {})
 
     assert g("cpu").skip_reason(_host(tmp_path)) == ""
     assert g("cuda").skip_reason(_host(tmp_path)) == "no CUDA"
@@ -71,14 +71,22 @@ def test_a_raising_check_fails_its_rows_and_skip_marks_rows(tmp_path):
     def boom(host):
         raise RuntimeError("kernel mismatch\nmore")
 
-    rows = gpu_acceptance.run_group(Group("cpu", ("a", "b"), boom, 0), _host(tmp_path), set())
+    rows = gpu_acceptance.run_group(Group("cpu", ("a", "b"), boom), _host(tmp_path), set())
     assert [(r["result"], r["figure"]) for r in rows] == [("FAIL", "RuntimeError: kernel mismatch")] * 2
-    partial = gpu_acceptance.run_group(Group("cpu", ("a", "b"), lambda h: {"a": (True, "f", 1.0)}, 0),
+    partial = gpu_acceptance.run_group(Group("cpu", ("a", "b"), lambda h: {"a": (True, "f", 1.0)}),
                                        _host(tmp_path), set())
     assert [r["result"] for r in partial] == ["PASS", "FAIL"]
-    skipped = gpu_acceptance.run_group(Group("cpu", ("a",), boom, 0), _host(tmp_path), {"a"})
+    skipped = gpu_acceptance.run_group(Group("cpu", ("a",), boom), _host(tmp_path), {"a"})
     assert skipped[0]["result"] == "SKIPPED" and skipped[0]["reason"] == "excluded by --skip"
     assert gpu_acceptance.exit_code(skipped, require_cpu_checks=True) == 1
+
+
+def test_one_raising_check_leaves_the_others_of_its_group():
+    from acceptance.checks import kernels
+
+    out = kernels(None, "cpu", ("fpdt-kernel-cpu-fp16", "fpdt-kernel-cpu-fp32"))  # no fp16 row: KeyError
+    assert out["fpdt-kernel-cpu-fp16"][0] is False and out["fpdt-kernel-cpu-fp16"][1].startswith("KeyError")
+    assert out["fpdt-kernel-cpu-fp32"][0] is True
 
 
 def test_overlap_share_counts_copy_time_under_kernels_of_other_streams():

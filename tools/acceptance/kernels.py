@@ -134,7 +134,7 @@ def offload_check(device: str, dtype: torch.dtype, S: int = 16384, chunks: int =
     t0 = time.perf_counter()
     spec, x, wq, wp, dy = _layer(S, hidden, heads, groups)
     cast = [t.to(device=device, dtype=dtype) for t in (x, wq, wp, dy)]
-    pool = HostBufferPool(pin_memory=True)
+    pool = HostBufferPool(pin_memory=device.type == "cuda")
 
     def run(offload):
         cfg = FPDTConfig(chunk_size=S // chunks, offload=offload)
