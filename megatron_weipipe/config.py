@@ -53,6 +53,9 @@ class ModelConfig:
         128, help="pad the vocabulary to a multiple of this x tensor-parallel size")
     transformer_impl: str = option("auto", choices=("auto", "local", "transformer_engine"),
                                    help="layer implementation (auto: transformer_engine when importable on a GPU)")
+    allow_unverified_gpu_paths: bool = option(
+        False, help="keep GPU paths not yet verified by tools/gpu_acceptance.sh (WeiPipe over Transformer Engine "
+                    "layers, dropout replay under them) instead of falling back to local layers with a notice")
     recompute_granularity: Optional[str] = option(None, help="activation recomputation: full or selective")
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "

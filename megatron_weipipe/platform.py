@@ -15,6 +15,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -34,6 +35,8 @@ class Platform:
 
     device_type: str  # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
+    # None: look for the package; True/False: a stated capability (tests fake a TE host).
+    transformer_engine: Optional[bool] = None
 
     @property
     def is_cuda(self) -> bool:
@@ -47,9 +50,15 @@ class Platform:
     def current_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
 
+    def device_count(self) -> int:
+        """CUDA devices visible to this process (0 on a CPU host)."""
+        return torch.cuda.device_count() if self.is_cuda else 0
+
     def transformer_engine_available(self) -> bool:
         import importlib.util
 
+        if self.transformer_engine is not None:
+            return self.is_cuda and self.transformer_engine
         return self.is_cuda and importlib.util.find_spec("transformer_engine") is not None
 
     def peak_memory_gb(self) -> tuple[float, str]:

@@ -11,17 +11,16 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_weipipe.config import PretrainConfig
-from megatron_weipipe.platform import detect_platform
+from megatron_weipipe.platform import Platform, detect_platform
 
 
-def use_transformer_engine(cfg: PretrainConfig) -> bool:
-    impl = cfg.model.transformer_impl
-    available = detect_platform().transformer_engine_available()
-    if impl == "transformer_engine":
-        if not available:
-            raise RuntimeError("--transformer-impl transformer_engine needs transformer-engine and a GPU")
-        return True
-    return impl == "auto" and available
+def use_transformer_engine(cfg: PretrainConfig, platform: Optional[Platform] = None) -> bool:
+    """Whether this run builds TE layers (model/layer_choice.py decides; its notices are logged)."""
+    from megatron_weipipe.model.layer_choice import announce, choose_layers
+
+    choice = choose_layers(cfg, platform or detect_platform())
+    announce(choice)
+    return choice.transformer_engine
 
 
 def compute_dtype(cfg: PretrainConfig) -> torch.dtype:
@@ -85,13 +84,13 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(cfg: PretrainConfig):
+def layer_spec(cfg: PretrainConfig, platform: Optional[Platform] = None):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if use_transformer_engine(cfg):
+    if use_transformer_engine(cfg, platform):
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec(normalization=cfg.model.normalization)
 

@@ -1,0 +1,1 @@
+"""Checks of tools/gpu_acceptance.py (see checks.py for the list and what each needs)."""
