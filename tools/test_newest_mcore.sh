@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The megatron-core part of the test suite on the newest megatron-core (0.19, Python 3.12),
+# in its own virtual environment beside the main one.
+#
+#   bash tools/test_newest_mcore.sh                 # the megatron-core part (CI)
+#   bash tools/test_newest_mcore.sh tests           # the whole suite
+#
+# MCORE_VERSION (default 0.19.2), TORCH_VERSION (default 2.13.0) and VENV (default
+# .venv-mcore-newest) choose what is installed. On Python 3.12 the registry's torch is the
+# CUDA build (about 5.5 GB); it runs on CPU like the CPU build. Exit status 3 when no
+# Python 3.12 is found (nothing was tested), else pytest's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MCORE_VERSION="${MCORE_VERSION:-0.19.2}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+VENV="${VENV:-.venv-mcore-newest}"
+
+find_python312() {
+  command -v python3.12 >/dev/null 2>&1 && python3.12 -c "" 2>/dev/null && { command -v python3.12; return; }
+  local root
+  root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
+  ls -d "$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1
+}
+PY="$(find_python312)"
+if [ -z "$PY" ]; then
+  echo "test_newest_mcore: no Python 3.12 found (megatron-core >= 0.17 needs it); nothing tested" >&2
+  exit 3
+fi
+
+start=$(date +%s)
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/pip" install -q "torch==$TORCH_VERSION" "megatron-core==$MCORE_VERSION" regex psutil numpy \
+  pytest pytest-timeout tokenizers sentencepiece "transformers>=5" safetensors
+"$VENV/bin/pip" install -q --no-deps -e .
+echo "test_newest_mcore: $("$VENV/bin/python" -W ignore -c 'import sys, torch, megatron.core as m; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")' 2>/dev/null), installed in $(( $(date +%s) - start )) s"
+
+# The tests that build megatron-core's model, schedules, optimizer, checkpoints and datasets.
+MCORE_TESTS=(
+  tests/test_foundation_parity.py tests/test_foundation_resume.py tests/test_foundation_bad_input.py
+  tests/test_weipipe_gpt_parity.py tests/test_weipipe_gpt_checkpoint.py tests/test_fpdt_megatron.py
+  tests/test_long_context_parity.py tests/test_checkpoint_resharding.py tests/test_faults_corrupt.py
+  tests/test_data_datasets.py tests/test_data_tokenizers.py tests/test_hf_llama.py tests/test_megatron_flags.py
+)
+if [ "$#" -gt 0 ]; then MCORE_TESTS=("$@"); fi
+OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not docker and not slurm and not two_nodes" "${MCORE_TESTS[@]}"
