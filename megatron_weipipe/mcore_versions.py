@@ -7,6 +7,8 @@ than by version number, so a patch release that backports a change needs nothing
   takes a ``common_strategy``; from 0.17 the common state is a ShardedObject
   (``common_state``) inside the ``.distcp`` files, ``load`` has no such argument and reads
   it through ``serialization.load_common_state_dict``;
+- layer specs: 0.16 describes the MLP as a ``ModuleSpec`` (and passes ``tp_group`` only to
+  its own MLP class); 0.19 as ``functools.partial(MLP.as_mlp_submodule, submodules=...)``;
 - tokenizer base class: 0.16 has ``MegatronLegacyTokenizer`` in
   ``megatron.core.datasets.megatron_tokenizer``; later releases move the tokenizers to
   ``megatron.core.tokenizers`` and keep (or drop) a ``MegatronTokenizer`` there.
@@ -51,6 +53,15 @@ def common_state_loader_owner():
     from megatron.core.dist_checkpointing import serialization
 
     return serialization if hasattr(serialization, "load_common_state_dict") else None
+
+
+def with_mlp_class(mlp_spec, cls, tp_group):
+    """A layer spec's MLP entry that builds ``cls`` (a subclass of megatron-core's MLP) instead."""
+    if isinstance(mlp_spec, functools.partial):  # 0.19: the classmethod takes the TP group itself
+        return functools.partial(getattr(cls, mlp_spec.func.__name__), *mlp_spec.args, **mlp_spec.keywords)
+    mlp_spec.module = cls
+    mlp_spec.params = dict(mlp_spec.params or {}, tp_group=tp_group)
+    return mlp_spec
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,6 +18,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 
+from megatron_weipipe import mcore_versions
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.fpdt import (
     FPDTConfig,
@@ -80,10 +81,9 @@ def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings):
         from megatron.core import parallel_state as ps
 
         activation = "swiglu" if cfg.model.swiglu else "gelu"
-        mlp = spec.submodules.mlp
-        mlp.module = _mlp_class(settings.fpdt.mlp_num_chunks(cfg.model.seq_length), activation, settings.tp_group)
-        # megatron-core passes tp_group only to its own MLP class; give the subclass the same.
-        mlp.params = dict(mlp.params or {}, tp_group=ps.get_tensor_model_parallel_group())
+        mlp_class = _mlp_class(settings.fpdt.mlp_num_chunks(cfg.model.seq_length), activation, settings.tp_group)
+        spec.submodules.mlp = mcore_versions.with_mlp_class(spec.submodules.mlp, mlp_class,
+                                                            ps.get_tensor_model_parallel_group())
         logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
             lambda record: "Unknown MLP type" not in record.getMessage()
         )
