@@ -4,7 +4,8 @@ The reference (tests/fpdt_reference.py) is torch SDPA on the whole sequence with
 [s, s] mask megatron-core's dataset builds from EOD tokens (``_get_ltor_masks_and_
 position_ids``). The runs get only document offsets. Documents include one-token ones
 and ones crossing chunk and context-parallel boundaries; float64 within 1e-10, the
-float32 flash path within 1e-5, output and every gradient.
+float32 flash path within 1e-5, output and every gradient. Blocks that a document
+boundary cuts run both ways: per document rectangle, and with a block mask.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_weipipe.fpdt import AttentionSpec, FPDTConfig, OffloadStats, RotaryConfig, fpdt_attention, shard, ulysses_attention
+from megatron_weipipe.fpdt import packed
 from megatron_weipipe.fpdt.documents import Documents, as_documents, document_offsets
 from fpdt_reference import reference_attention
 from harness import run_distributed
@@ -53,6 +55,7 @@ def run_case(cfg: dict, group) -> dict:
     P = dist.get_world_size(group)
     r = dist.get_rank(group)
     u, dtype = cfg["u"], cfg.get("dtype", torch.float64)
+    packed.MIN_SEGMENT = cfg.get("min_segment", 64)  # 1: masked blocks run per document rectangle
     spec = AttentionSpec(HIDDEN, 4, HEAD_DIM, 2, rotary=RotaryConfig())
     tokens = tokens_for(LAYOUTS[cfg["layout"]])
     case = make_case(S, 2, spec, True, cfg["seed"])
@@ -85,8 +88,11 @@ CONFIGS = (
         (lay, u, off) for lay in LAYOUTS for u, off in ((1, False), (4, False), (8, False), (8, True)))]
     + [dict(layout="mixed", u=1, tile=t, seed=50 + t) for t in (4, 32)]
     + [dict(layout="singletons", u=1, tile=8, seed=60)]
+    + [dict(layout=lay, u=u, offload=u == 8, seed=70 + u, min_segment=1) for lay in ("mixed", "singletons") for u in (2, 8)]
+    + [dict(layout="mixed", u=1, tile=8, seed=80, min_segment=1)]
     + [dict(layout="mixed", u=4, offload=True, seed=90, dtype=torch.float32),
-       dict(layout="mixed", u=1, tile=8, seed=91, dtype=torch.float32)]
+       dict(layout="mixed", u=1, tile=8, seed=91, dtype=torch.float32),
+       dict(layout="mixed", u=4, seed=92, dtype=torch.float32, min_segment=1)]
 )
 
 
@@ -114,7 +120,8 @@ def test_every_block_kind_and_skipping_occur(cp2):
     for res in cp2[0]:
         kinds |= set(res["counts"])
     assert kinds == {"skip", "full", "causal", "masked"}
-    by = {(c["layout"], c["u"], c.get("offload"), c.get("tile")): res for c, res in zip(CONFIGS, cp2[0])}
+    by = {(c["layout"], c["u"], c.get("offload"), c.get("tile")): res for c, res in zip(CONFIGS, cp2[0])
+          if "min_segment" not in c}
     # One-token documents: every earlier chunk is skipped, so nothing is fetched back.
     assert by[("singletons", 8, True, None)]["counts"] == {"masked": 8, "skip": 28}
     assert by[("singletons", 8, True, None)]["fetches"] < by[("one-doc", 8, True, None)]["fetches"]

@@ -10,13 +10,16 @@ in size, and every (query range, key range) block is classified from them:
   skip    no query of the block sees any key of it in any sample: not computed at all
   full    every query sees every key (one document spans the block): unmasked kernel
   causal  a diagonal block inside one document: the causal kernel
-  masked  anything else: a boolean [b, sq, sk] block mask (one block's size, never S x S)
+  masked  anything else: per document, the backend's kernel on its rectangle of the
+          block (``segments``), or, when the documents are too short for that to pay, the
+          math kernel with a boolean [b, sq, sk] block mask (one block's size, never S x S)
 
 The offsets live on the CPU, so the classification costs no device synchronisation.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 
 import torch
@@ -60,6 +63,7 @@ class Documents:
         if (offsets[:, -1] != self.seq_len).any():
             raise ValueError("document offsets of every sample must end at the same sequence length")
         self.counts: Counter = Counter()
+        self._rows = offsets.tolist()
 
     @property
     def batch(self) -> int:
@@ -95,6 +99,21 @@ class Documents:
         if (q0, q1) == (k0, k1):
             vis &= torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=vis.device).tril()
         return vis
+
+    def segments(self, q0: int, q1: int, k0: int, k1: int) -> list[list[tuple[int, int, int, int]]]:
+        """Per sample, the (query, key) rectangles of each document inside the block, as
+        block-relative (qa, qe, ka, ke): causal squares on the diagonal, full rectangles
+        off it. Each query and each key lies in at most one of them."""
+        out = []
+        for row in self._rows:
+            segs = []
+            for d in range(bisect_right(row, q0) - 1, bisect_right(row, q1 - 1)):
+                s, e = row[d], row[d + 1]
+                qa, qe, ka, ke = max(s, q0), min(e, q1), max(s, k0), min(e, k1)
+                if qa < qe and ka < ke:
+                    segs.append((qa - q0, qe - q0, ka - k0, ke - k0))
+            out.append(segs)
+        return out
 
     def lengths(self) -> list[list[int]]:
         """Document lengths per sample (for logs and tests)."""
