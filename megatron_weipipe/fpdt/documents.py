@@ -75,22 +75,20 @@ class Documents:
         ids = torch.searchsorted(self.offsets, pos, right=True) - 1
         return ids if device is None else ids.to(device)
 
-    def _at(self, pos: int) -> torch.Tensor:
-        return self.ids(pos, pos + 1)[:, 0]
+    def _same(self, a: int, b: int) -> list[bool]:
+        """Per sample: do positions a and b lie in the same document?"""
+        return [bisect_right(row, a) == bisect_right(row, b) for row in self._rows]
 
     def classify(self, q0: int, q1: int, k0: int, k1: int) -> str:
         """Kind of the block queries [q0, q1) x keys [k0, k1): diagonal (k == q) or fully
         earlier keys (k1 <= q0), as FPDT's chunk pairs and the tiled Ulysses path are."""
         if (q0, q1) == (k0, k1):
-            return CAUSAL if bool((self._at(q0) == self._at(q1 - 1)).all()) else MASKED
+            return CAUSAL if all(self._same(q0, q1 - 1)) else MASKED
         if k1 > q0:
             raise ValueError(f"block keys [{k0}, {k1}) must precede queries [{q0}, {q1}) or equal them")
-        seen = self._at(q0) == self._at(k1 - 1)  # first query shares the last key's document
-        if not bool(seen.any()):
+        if not any(self._same(k1 - 1, q0)):  # no first query shares the last key's document
             return SKIP
-        if bool((self._at(k0) == self._at(q1 - 1)).all()):
-            return FULL
-        return MASKED
+        return FULL if all(self._same(k0, q1 - 1)) else MASKED
 
     def visible(self, q0: int, q1: int, k0: int, k1: int, device=None) -> torch.Tensor:
         """Boolean block mask [b, q1-q0, k1-k0], True where the query sees the key."""
