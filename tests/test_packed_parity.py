@@ -31,6 +31,8 @@ RUNS = {
     "fpdt-cp2-4chunks": dict(context_parallel_size=2, fpdt=True, fpdt_chunk_size=16),
     "fpdt-cp2-8chunks-offload": dict(context_parallel_size=2, fpdt=True, fpdt_chunk_size=8, fpdt_offload=True),
 }
+# Learned absolute positions read the dataset's per-document position ids (--reset-position-ids).
+ABSOLUTE = dict(position_embedding_type="learned_absolute", max_position_embeddings=64)
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +93,17 @@ def _merge(per_rank, index):
 
 @pytest.fixture(scope="module")
 def reference(short_docs):
-    argvs = [_args(short_docs), _args(short_docs, packed=False)]
+    argvs = [_args(short_docs), _args(short_docs, packed=False), _args(short_docs, **ABSOLUTE)]
     per_rank = run_distributed(_run_many, 1, argvs, timeout=300)
-    return _merge(per_rank, 0), _merge(per_rank, 1)
+    return _merge(per_rank, 0), _merge(per_rank, 1), _merge(per_rank, 2)
 
 
 @pytest.fixture(scope="module")
 def world2(short_docs):
-    per_rank = run_distributed(_run_many, 2, [_args(short_docs, **o) for o in RUNS.values()], timeout=600)
-    return {name: _merge(per_rank, i) for i, name in enumerate(RUNS)}
+    argvs = [_args(short_docs, **o) for o in RUNS.values()]
+    argvs.append(_args(short_docs, **ABSOLUTE, **RUNS["fpdt-cp2-4chunks"]))
+    per_rank = run_distributed(_run_many, 2, argvs, timeout=600)
+    return {name: _merge(per_rank, i) for i, name in enumerate(list(RUNS) + ["fpdt-cp2-4chunks-absolute"])}
 
 
 def test_samples_hold_several_documents(short_docs):
@@ -109,13 +113,13 @@ def test_samples_hold_several_documents(short_docs):
 
 
 def test_reference_mask_matters(reference):
-    packed, unpacked = reference
+    packed, unpacked, _ = reference
     assert max(abs(a - b) for a, b in zip(packed["losses"], unpacked["losses"])) > 1e-3
 
 
-@pytest.mark.parametrize("layout", list(RUNS))
+@pytest.mark.parametrize("layout", list(RUNS) + ["fpdt-cp2-4chunks-absolute"])
 def test_packed_matches_plain_path(layout, world2, reference):
-    run, ref = world2[layout], reference[0]
+    run, ref = world2[layout], reference[2 if layout.endswith("absolute") else 0]
     assert len(run["losses"]) == 3
     for a, b in zip(run["losses"], ref["losses"]):
         assert abs(a - b) <= RTOL * abs(b), (run["losses"], ref["losses"])
