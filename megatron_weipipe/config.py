@@ -289,8 +289,12 @@ class PretrainConfig:
             training=replace(t, global_batch_size=gbs),
             parallel=replace(self.parallel, pipeline_schedule=schedule_name),
             data=replace(self.data, seq_length=self.model.seq_length, seed=t.seed,
-                         create_attention_mask=self.data.reset_attention_mask),
+                         # Ulysses/FPDT take document offsets computed in the forward step, never [s, s].
+                         create_attention_mask=self.data.reset_attention_mask and not self._long_context()),
         )
+
+    def _long_context(self) -> bool:
+        return self.parallel.context_parallel_size > 1 or self.fpdt.enabled
 
     def validate(self) -> None:
         """Check every rule of the flags (not the data files, see DataConfig.validate);
@@ -343,8 +347,6 @@ class PretrainConfig:
             require(m.attention_dropout == 0.0,
                     "--attention-dropout must be 0 with Ulysses/FPDT attention (--context-parallel-size > 1 or "
                     "--fpdt)")
-            require(not self.data.reset_attention_mask,
-                    "--reset-attention-mask is not supported with Ulysses/FPDT attention (causal masks only)")
             require(not p.sequence_parallel,
                     "--sequence-parallel cannot be combined with --context-parallel-size > 1 or --fpdt")
         if self.fpdt.enabled:
