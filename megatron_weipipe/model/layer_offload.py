@@ -90,9 +90,10 @@ def install_on_block(block: torch.nn.Module, store: LayerInputStore) -> None:
     sends each saved tensor of that kind (and of the block input's shape and dtype) to the
     store, and the unpack hook brings it back and prefetches the previous unit's input of
     the same forward (the next recompute in backward order). Everything else saved there
-    (the RoPE table, masks, the layers run without recomputation under
-    ``--recompute-method block``) stays as it is, and so does a leaf input (a later
-    pipeline stage's received tensor, which the schedule keeps anyway).
+    (the RoPE table, masks, what the layers run without recomputation under
+    ``--recompute-method block`` save, except the first one's input, a unit output) stays
+    as it is, and so does a leaf input (a later pipeline stage's received tensor, which
+    the schedule keeps anyway). Restored tensors are exact copies either way.
     """
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
