@@ -60,6 +60,9 @@ class ModelConfig:
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "
                                                            "layers per stage (block)")
+    offload_layer_inputs: bool = option(
+        False, help="with full recomputation, keep each recomputed layer's input in host memory between its "
+                    "forward and its recompute (prefetched one layer ahead); see docs/fpdt.md")
     layout_invariant_init: bool = option(
         True, flag="--no-layout-invariant-init", inverted=True,
         help="use megatron-core's per-rank initialisation instead of one that is the same for every parallel "
@@ -96,6 +99,9 @@ class ModelConfig:
         if self.recompute_granularity == "full":
             require(self.recompute_method in ("uniform", "block"),
                     "--recompute-granularity full needs --recompute-method uniform or block")
+        require(not self.offload_layer_inputs or self.recompute_granularity == "full",
+                "--offload-layer-inputs needs --recompute-granularity full (it offloads the layer inputs that "
+                "full recomputation keeps)")
         require(0.0 <= self.hidden_dropout < 1.0, "--hidden-dropout must be in [0, 1)")
         require(0.0 <= self.attention_dropout < 1.0, "--attention-dropout must be in [0, 1)")
 

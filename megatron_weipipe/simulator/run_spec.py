@@ -164,6 +164,7 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
     --num-layers-per-virtual-pipeline-stage is not given.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    offload_checkpoints = offload_checkpoints or m.offload_layer_inputs  # the training flag of the same thing
     shape = m.shape(micro_batch_size=t.micro_batch_size, vocab_size=cfg.data.vocab_size or DEFAULT_VOCAB_SIZE)
     layout = Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                     cp=p.context_parallel_size, dp=cfg.data_parallel_size)
