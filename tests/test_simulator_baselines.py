@@ -157,3 +157,43 @@ def test_bad_baseline_options_are_one_line(capsys, extra, needle):
     assert main(shlex.split(f"{SMALL} {extra}")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
+
+
+# ------------------------------------------------------------------ testbed rows
+
+def _calibration(seq, layer_f=0.01, layer_b=0.02):
+    from megatron_weipipe.simulator.calibration import ChunkTimes, HostCalibration
+    from megatron_weipipe.simulator.testbed import TestbedShape
+
+    ct = ChunkTimes(2, 2 * layer_f, 2 * layer_b, 2 * layer_b * 0.7, 2 * layer_b * 0.3)
+    return HostCalibration(shape=TestbedShape().model(seq), module=ct, flat=ct, embed_forward=1e-3,
+                           embed_backward=2e-3, head_forward=3e-3, head_backward=4e-3, optimizer_per_param=0.0,
+                           repeats=1)
+
+
+def test_testbed_row_prediction_follows_the_link_and_the_costs():
+    from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES, compare_rows, predict_testbed_row
+
+    seq, cal = 1024, _calibration(1024)
+    fast = {n: predict_testbed_row(n, seq, 1e15, 0.0, cal) for n in TESTBED_SCHEDULES}
+    slow = {n: predict_testbed_row(n, seq, 1e6, 1e-3, cal) for n in TESTBED_SCHEDULES}
+    # free link, the last stage (layers + head) the slower: stage 0's first F, then N x the
+    # last stage's F + B, then stage 0's last B
+    f0, b0, f1, b1 = 0.02 + 1e-3, 0.04 + 2e-3, 0.02 + 3e-3, 0.04 + 4e-3
+    want = f0 + 4 * (f1 + b1) + b0
+    assert fast["1f1b"].iteration_s == pytest.approx(want, rel=1e-6)
+    for n in TESTBED_SCHEDULES:  # every row slows down on a slow link, by at least its bytes / rate
+        sent = max(sum(d.values()) for d in slow[n].bytes_per_link)
+        assert slow[n].iteration_s > fast[n].iteration_s + 0.5 * sent / 1e6
+    # activations: 4 microbatches x seq x hidden x fp32 each way through 1F1B's one hop
+    assert fast["1f1b"].counter[0]["activations"] == 4 * seq * 128 * 4
+    rows = [{"preset": "ib-edr", "seq": seq, "schedule": n, "tokens_per_s": fast[n].tokens_per_s * 1.1,
+             "bytes_sent": 1} for n in ("1f1b", "weipipe-interleave")]
+    out = compare_rows(rows, {("ib-edr", seq, n): fast[n].tokens_per_s for n in ("1f1b", "weipipe-interleave")})
+    assert all(r["error"] == pytest.approx(1 / 1.1 - 1) and r["order_matches"] for r in out)
+    for r in rows:  # measured in the reverse order of the prediction
+        r["tokens_per_s"] = 1.0 / fast[r["schedule"]].tokens_per_s
+    assert not any(r["order_matches"] for r in compare_rows(rows, {k: v for k, v in (
+        (("ib-edr", seq, n), fast[n].tokens_per_s) for n in ("1f1b", "weipipe-interleave"))}))
+    with pytest.raises(Exception, match="calibration is of"):
+        predict_testbed_row("1f1b", 2048, 1e9, 0.0, cal)
