@@ -161,12 +161,16 @@ def test_bad_baseline_options_are_one_line(capsys, extra, needle):
 
 # ------------------------------------------------------------------ testbed rows
 
-def _calibration(seq, layer_f=0.01, layer_b=0.02):
-    from megatron_weipipe.simulator.calibration import ChunkTimes, HostCalibration
+def _shape():
     from megatron_weipipe.simulator.testbed import TestbedShape
 
+    return TestbedShape(layers=4, hidden=128, heads=4, microbatches=4)
+
+
+def _calibration(seq, layer_f=0.01, layer_b=0.02):
+    from megatron_weipipe.simulator.calibration import ChunkTimes, HostCalibration
     ct = ChunkTimes(2, 2 * layer_f, 2 * layer_b, 2 * layer_b * 0.7, 2 * layer_b * 0.3)
-    return HostCalibration(shape=TestbedShape().model(seq), module=ct, flat=ct, embed_forward=1e-3,
+    return HostCalibration(shape=_shape().model(seq), module=ct, flat=ct, embed_forward=1e-3,
                            embed_backward=2e-3, head_forward=3e-3, head_backward=4e-3, optimizer_per_param=0.0,
                            repeats=1)
 
@@ -175,8 +179,8 @@ def test_testbed_row_prediction_follows_the_link_and_the_costs():
     from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES, compare_rows, predict_testbed_row
 
     seq, cal = 1024, _calibration(1024)
-    fast = {n: predict_testbed_row(n, seq, 1e15, 0.0, cal) for n in TESTBED_SCHEDULES}
-    slow = {n: predict_testbed_row(n, seq, 1e6, 1e-3, cal) for n in TESTBED_SCHEDULES}
+    fast = {n: predict_testbed_row(n, seq, 1e15, 0.0, cal, _shape()) for n in TESTBED_SCHEDULES}
+    slow = {n: predict_testbed_row(n, seq, 1e6, 1e-3, cal, _shape()) for n in TESTBED_SCHEDULES}
     # free link, the last stage (layers + head) the slower: stage 0's first F, then N x the
     # last stage's F + B, then stage 0's last B
     f0, b0, f1, b1 = 0.02 + 1e-3, 0.04 + 2e-3, 0.02 + 3e-3, 0.04 + 4e-3
@@ -196,4 +200,4 @@ def test_testbed_row_prediction_follows_the_link_and_the_costs():
     assert not any(r["order_matches"] for r in compare_rows(rows, {k: v for k, v in (
         (("ib-edr", seq, n), fast[n].tokens_per_s) for n in ("1f1b", "weipipe-interleave"))}))
     with pytest.raises(Exception, match="calibration is of"):
-        predict_testbed_row("1f1b", 2048, 1e9, 0.0, cal)
+        predict_testbed_row("1f1b", 2048, 1e9, 0.0, cal, _shape())

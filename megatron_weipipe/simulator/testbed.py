@@ -33,9 +33,9 @@ BYTE_LEVEL_VOCAB = 259  # ByteLevelTokenizer: 256 bytes, EOD, PAD, BOS (the test
 class TestbedShape:
     """The testbed's model (bench/link_testbed.py's defaults)."""
 
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
+    layers: int = 2
+    hidden: int = 32
+    heads: int = 2
     microbatches: int = 4  # per iteration, micro-batch 1 (the global batch)
     vocab_size: int = BYTE_LEVEL_VOCAB
 
@@ -86,16 +86,19 @@ def order(values: dict) -> list:
 
 def compare_rows(rows: list[dict], predicted: dict) -> list[dict]:
     """Measured vs predicted per row, and per (preset, seq) whether the schedules' order
-    (fastest first) is the same. ``predicted``: (preset, seq, schedule) -> tokens/s."""
+    (fastest first) is the same. ``predicted``: (preset, seq, schedule) -> tokens/s. The
+    row's compute seconds per iteration (``busy_s_per_rank``, slowest rank) ride along."""
     groups: dict = {}
     for r in rows:
         key = (r["preset"], r["seq"], r["schedule"])
         if r.get("tokens_per_s") and key in predicted:
-            groups.setdefault(key[:2], {})[key[2]] = (r["tokens_per_s"], predicted[key], r.get("bytes_sent"))
+            busy = max(r["busy_s_per_rank"]) if r.get("busy_s_per_rank") else None
+            groups.setdefault(key[:2], {})[key[2]] = (r["tokens_per_s"], predicted[key], r.get("bytes_sent"), busy)
     out = []
     for (preset, seq), got in groups.items():
         same = order({k: v[0] for k, v in got.items()}) == order({k: v[1] for k, v in got.items()})
-        for name, (measured, pred, sent) in got.items():
+        for name, (measured, pred, sent, busy) in got.items():
             out.append({"preset": preset, "seq": seq, "schedule": name, "measured": measured, "predicted": pred,
-                        "error": pred / measured - 1, "bytes_sent": sent, "order_matches": same})
+                        "error": pred / measured - 1, "bytes_sent": sent, "order_matches": same,
+                        "computing_s": busy})
     return out

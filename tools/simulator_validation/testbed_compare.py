@@ -2,7 +2,8 @@
 """Measured (bench/link_testbed.py --json) vs predicted tokens/s of every testbed row.
 
     python tools/simulator_validation/testbed_compare.py --testbed-json rows.json \
-        [--flops HOST_FLOPS] [--calibration-dir DIR] [--repeats 3] [--measure-link]
+        [--flops HOST_FLOPS] [--calibration-dir DIR] [--repeats 3] [--measure-link] \
+        [--layers 2 --hidden 32 --heads 2 --microbatches 4]     # the testbed's shape flags
 
 The prediction (megatron_weipipe/simulator/testbed.py) uses only microbenchmarks of this
 host: one calibration per sequence length of the testbed's model (tools/host_calibration.py:
@@ -30,10 +31,10 @@ sys.path.insert(2, os.path.join(ROOT, "bench"))
 
 
 def calibration_for(seq: int, shape, directory: str, repeats: int):
-    """This host's timings of the testbed model at `seq` (two layers, the 1F1B stage), cached."""
+    """This host's timings of the testbed model at `seq` (a 1F1B stage's layers), cached."""
     from megatron_weipipe.simulator import calibration as calib
 
-    path = os.path.join(directory, f"testbed-h{shape.hidden}-a{shape.heads}-s{seq}.json")
+    path = os.path.join(directory, f"testbed-L{shape.layers}-h{shape.hidden}-a{shape.heads}-s{seq}.json")
     if os.path.exists(path):
         return calib.load(path)
     import host_calibration
@@ -43,15 +44,17 @@ def calibration_for(seq: int, shape, directory: str, repeats: int):
     return cal
 
 
-def table(compared: list[dict], predicted_bytes: dict) -> str:
+def table(compared: list[dict], predicted_bytes: dict, predicted_work: dict) -> str:
     lines = ["| preset | seq | schedule | measured tokens/s | predicted | error | MiB sent/rank/iter measured / "
-             "predicted | order of schedules |", "|---|---|---|---|---|---|---|---|"]
+             "predicted | computing s/iter measured / predicted (slowest rank) | order of schedules |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in compared:
         key = (r["preset"], r["seq"], r["schedule"])
         sent = "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 2**20:.2f}"
+        busy = "-" if r["computing_s"] is None else f"{r['computing_s']:.2f}"
         lines.append(f"| {r['preset']} | {r['seq']} | {r['schedule']} | {r['measured']:.0f} | {r['predicted']:.0f} | "
                      f"{r['error']:+.1%} | {sent} / {predicted_bytes[key] / 2**20:.2f} | "
-                     f"{'same' if r['order_matches'] else 'DIFFERS'} |")
+                     f"{busy} / {predicted_work[key]:.2f} | {'same' if r['order_matches'] else 'DIFFERS'} |")
     return "\n".join(lines)
 
 
@@ -67,10 +70,12 @@ def main(argv=None) -> int:
     ap.add_argument("--flops", type=float, default=None, help="host FLOP/s the testbed scaled by (default: measured)")
     ap.add_argument("--calibration-dir", default="/tmp/testbed_calibrations")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--testbed-root", default=ROOT,
+                    help="the checkout whose bench/testbed_presets.py holds the presets (default: this one)")
     ap.add_argument("--measure-link", action="store_true", help="probe gloo's CPU cost per byte here")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=TestbedShape.layers, help="the testbed's --layers")
+    ap.add_argument("--hidden", type=int, default=TestbedShape.hidden, help="the testbed's --hidden")
+    ap.add_argument("--heads", type=int, default=TestbedShape.heads, help="the testbed's --heads")
     ap.add_argument("--microbatches", type=int, default=4)
     a = ap.parse_args(argv)
     try:
@@ -78,6 +83,7 @@ def main(argv=None) -> int:
             rows = json.load(f)
         if not isinstance(rows, list) or not all({"preset", "seq", "schedule", "tokens_per_s"} <= set(r) for r in rows):
             raise SimulatorError(f"{a.testbed_json}: not a list of rows with preset, seq, schedule, tokens_per_s")
+        sys.path.insert(0, os.path.join(a.testbed_root, "bench"))
         try:
             from testbed_presets import PRESETS, host_flops
         except ImportError:
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
             cpb = host_calibration.gloo_link().cpu_s_per_byte
         shape = TestbedShape(a.layers, a.hidden, a.heads, a.microbatches)
         os.makedirs(a.calibration_dir, exist_ok=True)
-        predicted, pbytes = {}, {}
+        predicted, pbytes, pwork = {}, {}, {}
         for r in rows:
             if not r.get("tokens_per_s"):
                 continue
@@ -105,6 +111,7 @@ def main(argv=None) -> int:
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
             pbytes[key] = max(sum(c.values()) for c in res.counter)
+            pwork[key] = max(res.work)
     except (OSError, ValueError, SimulatorError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,7 +119,7 @@ def main(argv=None) -> int:
     print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {a.calibration_dir} (CPU seconds, one thread); "
           f"gloo CPU {cpb * 1e9:.2f} ns per byte")
-    print(table(compared, pbytes))
+    print(table(compared, pbytes, pwork))
     errs = [abs(r["error"]) for r in compared]
     if errs:
         groups = {(r["preset"], r["seq"]): r["order_matches"] for r in compared}
