@@ -201,3 +201,14 @@ def test_testbed_row_prediction_follows_the_link_and_the_costs():
         (("ib-edr", seq, n), fast[n].tokens_per_s) for n in ("1f1b", "weipipe-interleave"))}))
     with pytest.raises(Exception, match="calibration is of"):
         predict_testbed_row("1f1b", 2048, 1e9, 0.0, cal, _shape())
+
+
+def test_testbed_compare_bad_input_is_one_line(tmp_path, capsys):
+    from simulator_validation import testbed_compare
+
+    bad = tmp_path / "rows.json"
+    bad.write_text('{"not": "a list"}')
+    for path in (tmp_path / "missing.json", bad):
+        assert testbed_compare.main(["--testbed-json", str(path), "--flops", "1e10"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ")
