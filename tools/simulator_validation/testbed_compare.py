@@ -66,7 +66,9 @@ def main(argv=None) -> int:
     from megatron_weipipe.simulator.testbed import TestbedShape, compare_rows, predict_testbed_row
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--testbed-json", required=True, help="bench/link_testbed.py --json output")
+    ap.add_argument("--testbed-json", help="bench/link_testbed.py --json output")
+    ap.add_argument("--predict", nargs="+", metavar="PRESET:SEQ",
+                    help="without --testbed-json: only the predicted rows of these presets and sequences")
     ap.add_argument("--flops", type=float, default=None, help="host FLOP/s the testbed scaled by (default: measured)")
     ap.add_argument("--calibration-dir", default="/tmp/testbed_calibrations")
     ap.add_argument("--repeats", type=int, default=3)
@@ -79,8 +81,17 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     a = ap.parse_args(argv)
     try:
-        with open(a.testbed_json) as f:
-            rows = json.load(f)
+        if a.testbed_json:
+            with open(a.testbed_json) as f:
+                rows = json.load(f)
+        elif a.predict:
+            from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES
+
+            names = [n for n in TESTBED_SCHEDULES if n != "interleaved" or a.layers % 4 == 0]
+            rows = [{"preset": ps.partition(":")[0], "seq": int(ps.partition(":")[2]), "schedule": n,
+                     "tokens_per_s": float("nan"), "bytes_sent": None} for ps in a.predict for n in names]
+        else:
+            raise SimulatorError("give --testbed-json FILE, or --predict PRESET:SEQ ...")
         if not isinstance(rows, list) or not all({"preset", "seq", "schedule", "tokens_per_s"} <= set(r) for r in rows):
             raise SimulatorError(f"{a.testbed_json}: not a list of rows with preset, seq, schedule, tokens_per_s")
         sys.path.insert(0, os.path.join(a.testbed_root, "bench"))
@@ -115,6 +126,14 @@ def main(argv=None) -> int:
     except (OSError, ValueError, SimulatorError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not a.testbed_json:
+        print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+        print("| preset | seq | schedule | predicted tokens/s | x 1F1B | MiB sent/rank/iter | computing s/iter |")
+        print("|---|---|---|---|---|---|---|")
+        for (preset, seq, name), tps in predicted.items():
+            print(f"| {preset} | {seq} | {name} | {tps:.0f} | {tps / predicted[(preset, seq, '1f1b')]:.2f} | "
+                  f"{pbytes[(preset, seq, name)] / 2**20:.2f} | {pwork[(preset, seq, name)]:.2f} |")
+        return 0
     compared = compare_rows(rows, predicted)
     print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {a.calibration_dir} (CPU seconds, one thread); "
