@@ -11,7 +11,9 @@ layer forward / backward, embedding, head, optimizer step; saved in --calibratio
 reused), the testbed's own preset arithmetic (bench/testbed_presets.py: emulated rate and
 latency from the host's matmul FLOP/s, --flops or measured the way the testbed measures
 it) and, with --measure-link, gloo's CPU cost per byte from the link probe. The measured
-rows are read, never fitted. Per row: measured and predicted tokens/s, the error, bytes
+rows are read, never fitted. Reads the `--json` list or a `--save` file (rows, the host
+FLOP/s the testbed scaled by, and its notes: without tc netem it shapes the rate alone,
+and the prediction then leaves the latency out, as `--no-latency` does). Per row: measured and predicted tokens/s, the error, bytes
 sent measured / predicted, and whether the order of the schedules (fastest first) at
 that preset and sequence is the same. Bad input: one line, exit status 2.
 """
@@ -74,6 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--testbed-root", default=ROOT,
                     help="the checkout whose bench/testbed_presets.py holds the presets (default: this one)")
+    ap.add_argument("--no-latency", action="store_true",
+                    help="the testbed shaped the rate alone (no tc netem): predict without the emulated latency "
+                         "(read from the notes of a --save file)")
     ap.add_argument("--measure-link", action="store_true", help="probe gloo's CPU cost per byte here")
     ap.add_argument("--layers", type=int, default=TestbedShape.layers, help="the testbed's --layers")
     ap.add_argument("--hidden", type=int, default=TestbedShape.hidden, help="the testbed's --hidden")
@@ -81,9 +86,14 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     a = ap.parse_args(argv)
     try:
+        no_latency = a.no_latency
         if a.testbed_json:
             with open(a.testbed_json) as f:
                 rows = json.load(f)
+            if isinstance(rows, dict) and "rows" in rows:  # --save's file: rows, the host FLOP/s, notes
+                a.flops = a.flops or rows.get("flops")
+                no_latency = no_latency or any("latency is not applied" in n for n in rows.get("notes", ()))
+                rows = rows["rows"]
         elif a.predict:
             from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES
 
@@ -114,6 +124,7 @@ def main(argv=None) -> int:
             if r["preset"] not in PRESETS:
                 raise SimulatorError(f"row preset {r['preset']!r} is not one of {', '.join(PRESETS)}")
             rate, latency = PRESETS[r["preset"]].emulated(flops)
+            latency = 0.0 if no_latency else latency
             row_shape = TestbedShape(*(int(r.get(k, v)) for k, v in (
                 ("layers", shape.layers), ("hidden", shape.hidden), ("heads", shape.heads),
                 ("microbatches", shape.microbatches))))  # a row that states its shape wins over the flags
@@ -137,7 +148,7 @@ def main(argv=None) -> int:
     compared = compare_rows(rows, predicted)
     print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {a.calibration_dir} (CPU seconds, one thread); "
-          f"gloo CPU {cpb * 1e9:.2f} ns per byte")
+          f"gloo CPU {cpb * 1e9:.2f} ns per byte; emulated latency {'not applied' if no_latency else 'applied'}")
     print(table(compared, pbytes, pwork))
     errs = [abs(r["error"]) for r in compared]
     if errs:
