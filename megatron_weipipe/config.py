@@ -60,6 +60,9 @@ class ModelConfig:
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "
                                                            "layers per stage (block)")
+    offload_layer_inputs: bool = option(
+        False, help="with full recomputation, keep each recomputed layer's input in host memory between its "
+                    "forward and its recompute (prefetched one layer ahead); see docs/fpdt.md")
     layout_invariant_init: bool = option(
         True, flag="--no-layout-invariant-init", inverted=True,
         help="use megatron-core's per-rank initialisation instead of one that is the same for every parallel "
@@ -96,6 +99,9 @@ class ModelConfig:
         if self.recompute_granularity == "full":
             require(self.recompute_method in ("uniform", "block"),
                     "--recompute-granularity full needs --recompute-method uniform or block")
+        require(not self.offload_layer_inputs or self.recompute_granularity == "full",
+                "--offload-layer-inputs needs --recompute-granularity full (it offloads the layer inputs that "
+                "full recomputation keeps)")
         require(0.0 <= self.hidden_dropout < 1.0, "--hidden-dropout must be in [0, 1)")
         require(0.0 <= self.attention_dropout < 1.0, "--attention-dropout must be in [0, 1)")
 
@@ -289,8 +295,12 @@ class PretrainConfig:
             training=replace(t, global_batch_size=gbs),
             parallel=replace(self.parallel, pipeline_schedule=schedule_name),
             data=replace(self.data, seq_length=self.model.seq_length, seed=t.seed,
-                         create_attention_mask=self.data.reset_attention_mask),
+                         # Ulysses/FPDT take document offsets computed in the forward step, never [s, s].
+                         create_attention_mask=self.data.reset_attention_mask and not self._long_context()),
         )
+
+    def _long_context(self) -> bool:
+        return self.parallel.context_parallel_size > 1 or self.fpdt.enabled
 
     def validate(self) -> None:
         """Check every rule of the flags (not the data files, see DataConfig.validate);
@@ -343,8 +353,6 @@ class PretrainConfig:
             require(m.attention_dropout == 0.0,
                     "--attention-dropout must be 0 with Ulysses/FPDT attention (--context-parallel-size > 1 or "
                     "--fpdt)")
-            require(not self.data.reset_attention_mask,
-                    "--reset-attention-mask is not supported with Ulysses/FPDT attention (causal masks only)")
             require(not p.sequence_parallel,
                     "--sequence-parallel cannot be combined with --context-parallel-size > 1 or --fpdt")
         if self.fpdt.enabled:

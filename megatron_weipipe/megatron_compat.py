@@ -64,6 +64,10 @@ class MegatronCompatConfig:
                                      "(use --use-distributed-optimizer)", default=False)
     use_megatron_fsdp: bool = _refused("FSDP is not one of this package's data-parallel modes "
                                        "(use --use-distributed-optimizer)", default=False)
+    cpu_offloading: bool = _refused("Megatron's --cpu-offloading is Transformer Engine's activation offload, "
+                                    "which megatron-core 0.16 refuses with recomputation and with pipeline "
+                                    "parallelism; use --offload-layer-inputs (with --recompute-granularity full) "
+                                    "to keep each layer's saved input in host memory", default=False)
     use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
     rampup_batch_size: Optional[list[int]] = _refused("batch-size ramp-up changes the math; use a fixed "
                                                       "--global-batch-size")

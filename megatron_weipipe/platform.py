@@ -267,6 +267,17 @@ def install_cpu_adapter() -> None:
 
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    # A backward started through torch.autograd.backward runs with the mode below popped (a
+    # mode is off while its own handler runs). megatron-core's full recomputation runs the
+    # layers' forward inside CheckpointFunction.backward, so that backward enters it again.
+    checkpoint = mcore_random.CheckpointFunction
+    plain_backward = checkpoint.backward
+
+    def recompute_backward(ctx, *grads):
+        with _CudaToCpuMode():
+            return plain_backward(ctx, *grads)
+
+    checkpoint.backward = staticmethod(recompute_backward)
 
     # The tracker's "CUDA" stream is the CPU generator here, saved and restored around each
     # fork, so the fork's check that the CPU state is untouched is expected to fire.

@@ -40,8 +40,11 @@ def megatron_rotary_emb(spec: AttentionSpec, seq_len: int) -> torch.Tensor:
     return emb[:, None, None, :]
 
 
-def reference_attention(x, w_qkv, b_qkv, w_proj, b_proj, spec: AttentionSpec) -> torch.Tensor:
-    """Causal self-attention of the full sequence x [S, b, hidden] (autograd-able)."""
+def reference_attention(x, w_qkv, b_qkv, w_proj, b_proj, spec: AttentionSpec, attn_mask=None) -> torch.Tensor:
+    """Causal self-attention of the full sequence x [S, b, hidden] (autograd-able).
+
+    ``attn_mask``: a dense boolean mask broadcastable to [b, heads, S, S], True where a
+    query may attend (packed documents), used instead of plain causality."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     S, b, _ = x.shape
@@ -54,6 +57,9 @@ def reference_attention(x, w_qkv, b_qkv, w_proj, b_proj, spec: AttentionSpec) ->
         q = _apply_rotary_pos_emb_bshd(q, emb, rotary_interleaved=spec.rotary.interleaved)
         k = _apply_rotary_pos_emb_bshd(k, emb, rotary_interleaved=spec.rotary.interleaved)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=True)
+    if attn_mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=spec.scale, enable_gqa=True)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=spec.scale, enable_gqa=True)
     o = o.permute(2, 0, 1, 3).reshape(S, b, -1)
     return F.linear(o, w_proj, b_proj)

@@ -32,7 +32,7 @@ MEGATRON_FLAGS = """
 --reset-attention-mask --eod-mask-loss --tokenizer-type --tokenizer-model --vocab-size --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --ckpt-format --log-interval --tensorboard-dir
 --log-throughput --timing-log-level --schedule-trace --dist-ckpt-optim-fully-reshardable --use-rope-scaling
---rope-scaling-factor --allow-unverified-gpu-paths
+ --rope-scaling-factor --allow-unverified-gpu-paths --offload-layer-inputs
 """.split()
 
 

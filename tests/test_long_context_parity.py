@@ -108,7 +108,6 @@ def test_world4(layout, world4, reference):
         (dict(fpdt=True, fpdt_chunk_size=24), 1, "--seq-length (64) must be a multiple of --fpdt-chunk-size (24)"),
         (dict(context_parallel_size=16), 16, "--num-attention-heads (8) must be divisible by context x tensor"),
         (dict(context_parallel_size=8), 8, "--num-query-groups (4) must be divisible by context x tensor parallel size (8 x 1)"),
-        (dict(context_parallel_size=2, reset_attention_mask=True), 2, "--reset-attention-mask is not supported"),
         (dict(context_parallel_size=2, attention_dropout=0.1), 2, "--attention-dropout must be 0"),
         (dict(context_parallel_size=2, fpdt=True, fpdt_chunk_size=33, seq_length=66), 2,
          "must be divisible by --context-parallel-size"),

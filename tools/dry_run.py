@@ -13,7 +13,8 @@ release; the peak of the live bytes that would sit on the accelerator is reporte
 role: parameters, gradients (main grads and .grad), optimizer state (fp32 master copies
 and Adam moments), communication buffers (WeiPipe's circulating weight / gradient
 tokens and their receive buffers), FPDT chunk state brought to the device, and
-activations (everything else). FPDT's host buffers (offload) are counted as host bytes.
+activations (everything else). FPDT's host buffers and those of --offload-layer-inputs
+are counted as host bytes.
 Sent bytes are the byte counter's exact point-to-point and collective payloads.
 Data are synthetic tokens of the configured shape (no corpus is read). A value read
 back to Python (.item(): finiteness checks, loss reporting) reads 1 / True; the
@@ -136,7 +137,7 @@ def _patch_scopes(ledger: Ledger):
         original = getattr(cls, name)
 
         def inner(*a, **k):
-            with ledger.scope(role):
+            with ledger.scope(role(a[0]) if callable(role) else role):
                 return original(*a, **k)
 
         setattr(cls, name, inner)
@@ -177,8 +178,8 @@ def _patch_scopes(ledger: Ledger):
         init(self, rt, master, microbatches, pre_fn, post_fn, main_grad, *rest)
 
     ring._IterationState.__init__ = state_init
-    for name in ("prefetch", "get"):
-        scoped(offload.ChunkStore, name, "fpdt_chunk_state")
+    for name in ("prefetch", "get"):  # a store says what its device copies are (layer inputs: activations)
+        scoped(offload.ChunkStore, name, lambda store: store.role)
     scoped(offload.HostBufferPool, "take", "host")
 
 

@@ -32,8 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from megatron_weipipe.fpdt.config import AttentionSpec, FPDTConfig
+from megatron_weipipe.fpdt.documents import CAUSAL, FULL, SKIP, Documents, as_documents
 from megatron_weipipe.fpdt.kernels import acc_dtype, accumulate_matmul, merge, select_kernel
 from megatron_weipipe.fpdt.offload import ChunkStore, HostBufferPool, OffloadStats
+from megatron_weipipe.fpdt.packed import DEFAULT_TILE, DocumentAttention, block_backward, block_forward
 from megatron_weipipe.fpdt.rotary import RotaryTable, apply_rotary_backward, rotary, apply_rotary
 from megatron_weipipe.fpdt.tp import all_reduce_, copy_to_tp, reduce_from_tp
 from megatron_weipipe.fpdt.ulysses import (
@@ -61,6 +63,16 @@ class _Plan:
     stats: OffloadStats | None
     counter: CommCounter | None
     save: bool = True  # False under no_grad / inference: keep only what the forward needs
+    docs: Documents | None = None  # packed documents: block masks and skipped chunk pairs
+
+    def kind(self, qi: int, kj: int, C: int, count: bool = False) -> str:
+        """How chunk pair (query chunk qi, KV chunk kj <= qi) is computed (fpdt.documents)."""
+        if self.docs is None:
+            return CAUSAL if qi == kj else FULL
+        kind = self.docs.classify(qi * C, (qi + 1) * C, kj * C, (kj + 1) * C)
+        if count:
+            self.docs.counts[kind] += 1
+        return kind
 
 
 def _table(spec: AttentionSpec, start: int, length: int, dtype, device):
@@ -137,16 +149,19 @@ class FPDTAttentionFunction(torch.autograd.Function):
             if plan.offload and plan.save:
                 store.put("x", i, x=x[i * L : (i + 1) * L])
             store.put("kv", i, k=k, v=v)
-            if i > 0:
-                store.prefetch("kv", 0)
-            o, lse = kern.forward(q, k, v, True, scale)
-            if i > 0:
+            kinds = {j: plan.kind(i, j, C, count=True) for j in range(i)}
+            earlier = [j for j in range(i) if kinds[j] != SKIP]  # chunk pairs no document spans: no compute, no fetch
+            if earlier:
+                store.prefetch("kv", earlier[0])
+            rng = (i * C, (i + 1) * C)
+            o, lse = block_forward(kern, q, k, v, plan.kind(i, i, C, count=True), plan.docs, rng + rng, scale)
+            if earlier:
                 o = o.to(acc)
-                for j in range(i):
-                    if j + 1 < i:
-                        store.prefetch("kv", j + 1)
+                for n, j in enumerate(earlier):
+                    if n + 1 < len(earlier):
+                        store.prefetch("kv", earlier[n + 1])
                     kv = store.get("kv", j)
-                    o_b, l_b = kern.forward(q, kv["k"], kv["v"], False, scale)
+                    o_b, l_b = block_forward(kern, q, kv["k"], kv["v"], kinds[j], plan.docs, rng + (j * C, (j + 1) * C), scale)
                     o, lse = merge(o, lse, o_b, l_b)
                     del kv
                     store.release("kv", j)
@@ -242,14 +257,18 @@ class FPDTAttentionFunction(torch.autograd.Function):
                 store.prefetch("x", i)
             kv = store.get("kv", i)
             dk = dv = dq_i = None
+            later = [qi for qi in range(i, u) if plan.kind(qi, i, C) != SKIP]  # always holds i
             store.prefetch("q", i)
-            for qi in range(i, u):
-                if qi + 1 < u:
-                    store.prefetch("q", qi + 1)
+            for n, qi in enumerate(later):
+                if n + 1 < len(later):
+                    store.prefetch("q", later[n + 1])
                 elif i + 1 < u:
                     store.prefetch("kv", i + 1)
                 c = store.get("q", qi)
-                dq_b, dk_b, dv_b = kern.backward(c["do"], c["q"], kv["k"], kv["v"], c["o"], c["lse"], qi == i, scale)
+                rng = (qi * C, (qi + 1) * C, i * C, (i + 1) * C)
+                dq_b, dk_b, dv_b = block_backward(
+                    kern, c["do"], c["q"], kv["k"], kv["v"], c["o"], c["lse"], plan.kind(qi, i, C), plan.docs, rng, scale
+                )
                 dq = _add(c.get("dq"), dq_b, acc)
                 if qi == i:
                     dq_i = dq
@@ -308,6 +327,7 @@ def fpdt_attention(
     stats: OffloadStats | None = None,
     counter: CommCounter | None = None,
     num_chunks: int | None = None,
+    documents: Documents | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FPDT self-attention of this rank's tokens ([s_local, b, hidden], FPDT layout).
 
@@ -315,7 +335,8 @@ def fpdt_attention(
     given (pass None and add it yourself for Megatron's skip-bias-add). ``pool`` keeps
     host buffers across calls (one per layer). ``num_chunks`` is what ``config.validate``
     returned, from callers that checked ``spec`` and ``config`` once up front (the model
-    does at start-up); None checks them here.
+    does at start-up); None checks them here. ``documents``: boundaries of packed
+    documents (``fpdt.documents``, global positions); attention stays inside each one.
     """
     P = group_size(cp_group)
     if num_chunks is None:
@@ -328,7 +349,10 @@ def fpdt_attention(
         pool = HostBufferPool(pin_memory=hidden_states.is_cuda)
     tensors = (hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias)
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    plan = _Plan(spec, cp_group, tp_group, u, kernel, config.offload, config.overlap_comm, pool, stats, counter, save)
+    docs = as_documents(documents)
+    _check_documents(docs, hidden_states.shape[0] * P, hidden_states.shape[1])
+    plan = _Plan(spec, cp_group, tp_group, u, kernel, config.offload, config.overlap_comm, pool, stats, counter, save,
+                 docs)
     return FPDTAttentionFunction.apply(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, plan)
 
 
@@ -361,9 +385,13 @@ def ulysses_attention(
     *,
     kernel: str = "auto",
     counter: CommCounter | None = None,
+    documents: Documents | torch.Tensor | None = None,
+    doc_tile: int = DEFAULT_TILE,
 ) -> torch.Tensor:
     """Plain Ulysses self-attention (contiguous sharding, whole sequence per head),
-    built from autograd pieces: the baseline FPDT is measured against."""
+    built from autograd pieces: the baseline FPDT is measured against. With
+    ``documents`` attention stays inside each document, computed in tiles of ``doc_tile``
+    tokens that skip what no document spans (``fpdt.packed.DocumentAttention``)."""
     P = group_size(cp_group)
     spec.validate(P)
     _check_shapes(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, spec)
@@ -376,10 +404,21 @@ def ulysses_attention(
     table = _table(spec, 0, S, q.dtype, q.device)
     if table is not None:
         q, k = rotary(q, table), rotary(k, table)
-    o = _BlockAttention.apply(q, k, v, kern, spec.scale)
+    docs = as_documents(documents)
+    _check_documents(docs, S, b)
+    if docs is None:
+        o = _BlockAttention.apply(q, k, v, kern, spec.scale)
+    else:
+        o = DocumentAttention.apply(q, k, v, kern, spec.scale, docs, doc_tile)
     o = all_to_all_heads_to_seq(o.permute(2, 0, 1, 3), cp_group, counter).reshape(s_l, b, -1)
     out = reduce_from_tp(F.linear(o, proj_weight), tp_group)
     return out + proj_bias if proj_bias is not None else out
+
+
+def _check_documents(docs: Documents | None, S: int, b: int) -> None:
+    if docs is not None and (docs.seq_len != S or docs.batch != b):
+        raise ValueError(f"document offsets cover {docs.batch} samples of {docs.seq_len} tokens, "
+                         f"the batch has {b} of {S}")
 
 
 def _check_shapes(x, w_qkv, b_qkv, w_proj, b_proj, spec: AttentionSpec) -> None:

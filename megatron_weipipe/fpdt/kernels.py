@@ -64,7 +64,7 @@ class MathKernel:
 
     name = "math"
 
-    def _scores(self, q, k, causal, scale):
+    def _scores(self, q, k, causal, scale, visible=None):
         b, hq, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
         g = hq // hkv
@@ -75,20 +75,24 @@ class MathKernel:
         if causal:
             m = _causal_mask(sq, sk, q.device)
             s = s.view(b, hkv, g, sq, sk).masked_fill(m, float("-inf")).view(b, hkv, g * sq, sk)
+        if visible is not None:  # [b, sq, sk] block mask of packed documents
+            s = s.view(b, hkv, g, sq, sk).masked_fill(~visible[:, None, None], float("-inf")).view(b, hkv, g * sq, sk)
         return qg, s
 
-    def forward(self, q, k, v, causal: bool, scale: float):
+    def forward(self, q, k, v, causal: bool, scale: float, visible=None):
+        """``visible`` [b, sq, sk] masks a block; rows that see no key get out 0, lse -inf."""
         b, hq, sq, d = q.shape
-        _, s = self._scores(q, k, causal, scale)
+        _, s = self._scores(q, k, causal, scale, visible)
         lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        out = torch.matmul(torch.exp(s - lse), v.to(s.dtype))
+        safe = lse.masked_fill(torch.isinf(lse), 0.0) if visible is not None else lse
+        out = torch.matmul(torch.exp(s - safe), v.to(s.dtype))
         return out.view(b, hq, sq, -1).to(q.dtype), lse.view(b, hq, sq)
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, visible=None):
         b, hq, sq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
-        qg, s = self._scores(q, k, causal, scale)
+        qg, s = self._scores(q, k, causal, scale, visible)
         acc = s.dtype
         p = torch.exp(s - lse.to(acc).reshape(b, hkv, g * sq, 1))
         do = dout.reshape(b, hkv, g * sq, -1).to(acc)

@@ -79,8 +79,10 @@ class ChunkStore:
         pool: HostBufferPool | None = None,
         max_resident: int = 2,
         stats: OffloadStats | None = None,
+        role: str = "fpdt_chunk_state",
     ):
         self.device = torch.device(device)
+        self.role = role  # what its device copies are, for memory accounting (tools/dry_run.py)
         self.offload = offload
         self.cuda = self.device.type == "cuda"
         self.pool = pool if pool is not None else HostBufferPool(pin_memory=self.cuda and offload)

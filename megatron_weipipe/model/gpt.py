@@ -143,6 +143,10 @@ def build_gpt_model(
         model.to(dtype=dtype)
     if m.layout_invariant_init:
         reinitialize_layout_invariant(model, cfg)
+    if m.offload_layer_inputs:
+        from megatron_weipipe.model.layer_offload import LayerInputStore, install_on_block
+
+        install_on_block(model.decoder, LayerInputStore(platform))
     if long_context is not None:
         model.long_context = long_context  # read by the forward step to shard batches
         if long_context.fpdt is not None:

@@ -10,8 +10,9 @@ from megatron_weipipe.faults import maybe_inject_nan
 from megatron_weipipe.platform import detect_platform
 
 
-def batch_to_device(batch: dict, device: torch.device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+def batch_to_device(batch: dict, device: torch.device, keep_on_host=()) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in keep_on_host else v)
+            for k, v in batch.items()}
 
 
 def get_batch(data_iterator, long_context=None):
@@ -20,11 +21,13 @@ def get_batch(data_iterator, long_context=None):
     Under context parallelism each rank keeps its share of the sequence (FPDT layout).
     """
     batch = next(data_iterator)
+    keep = ()
     if long_context is not None:
         from megatron_weipipe.model.long_context import shard_for_context_parallel
 
         batch = shard_for_context_parallel(batch, long_context)
-    batch = batch_to_device(batch, detect_platform().current_device())
+        keep = ("attention_mask",)  # packed documents' offsets: read on the host
+    batch = batch_to_device(batch, detect_platform().current_device(), keep)
     return (
         batch["tokens"],
         batch["labels"],

@@ -30,6 +30,7 @@ from megatron_weipipe.fpdt import (
     shard_batch,
     ulysses_attention,
 )
+from megatron_weipipe.fpdt.documents import document_offsets
 from megatron_weipipe.fpdt.offload import HostBufferPool, OffloadStats
 
 
@@ -43,6 +44,7 @@ class LongContextSettings:
     cp_rank: int
     num_chunks: int  # u: FPDT chunks (1 for plain Ulysses)
     fpdt: Optional[FPDTConfig]
+    eod_token: Optional[int] = None  # --reset-attention-mask: documents end after this token
 
 
 def uses_long_context(cfg: PretrainConfig) -> bool:
@@ -53,6 +55,11 @@ def build_settings(cfg: PretrainConfig) -> LongContextSettings:
     from megatron.core import parallel_state as ps
 
     fc = cfg.fpdt if cfg.fpdt.enabled else None
+    eod = None
+    if cfg.data.reset_attention_mask:
+        from megatron_weipipe.data.tokenizers import build_tokenizer
+
+        eod = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size).eod
     return LongContextSettings(
         cp_group=ps.get_context_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group() if cfg.parallel.tensor_model_parallel_size > 1 else None,
@@ -60,6 +67,7 @@ def build_settings(cfg: PretrainConfig) -> LongContextSettings:
         cp_rank=ps.get_context_parallel_rank(),
         num_chunks=fc.num_chunks(cfg.model.seq_length) if fc is not None else 1,
         fpdt=fc,
+        eod_token=eod,
     )
 
 
@@ -104,13 +112,13 @@ def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfi
 
         def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **unused):
             # Positions come from the layout (global RoPE positions per chunk), not rotary_pos_emb.
-            if attention_mask is not None:
-                raise ValueError("Ulysses/FPDT attention is causal only; --reset-attention-mask is not supported")
+            # attention_mask is None (causal) or the packed documents' offsets [b, n+1]
+            # (shard_for_context_parallel), never a dense mask.
             qkv_bias = self.linear_qkv.bias
             if settings.fpdt is None:
                 out = ulysses_attention(
                     hidden_states, self.linear_qkv.weight, qkv_bias, self.linear_proj.weight, None,
-                    self.spec, settings.cp_group, settings.tp_group,
+                    self.spec, settings.cp_group, settings.tp_group, documents=attention_mask,
                 )
             else:
                 if settings.fpdt.offload and self.pool is None:
@@ -119,6 +127,7 @@ def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfi
                     hidden_states, self.linear_qkv.weight, qkv_bias, self.linear_proj.weight, None,
                     self.spec, settings.fpdt, settings.cp_group, settings.tp_group,
                     pool=self.pool, stats=self.offload_stats, num_chunks=settings.num_chunks,
+                    documents=attention_mask,
                 )
             return out, self.linear_proj.bias
 
@@ -184,8 +193,18 @@ def install_chunked_loss(model, num_chunks: int, tp_group) -> None:
 
 
 def shard_for_context_parallel(batch: dict, settings: LongContextSettings) -> dict:
-    """This CP rank's tokens (FPDT layout; contiguous for one chunk), positions kept global."""
+    """This CP rank's tokens (FPDT layout; contiguous for one chunk), positions kept global.
+
+    With --reset-attention-mask the attention mask becomes the documents' cumulative
+    offsets [b, n+1], found from the EOD tokens of the whole sample before it is split:
+    every CP rank reads the whole micro-batch, so each computes the same global
+    boundaries and none travel between ranks. They stay on the CPU (block decisions are
+    made on the host)."""
     if "position_ids" not in batch or batch["position_ids"] is None:
         b, s = batch["tokens"].shape
         batch = dict(batch, position_ids=torch.arange(s).unsqueeze(0).expand(b, s))
+    if batch.get("attention_mask") is not None:
+        raise ValueError("Ulysses/FPDT batches must not carry a dense attention mask (create_attention_mask is off)")
+    if settings.eod_token is not None:
+        batch = dict(batch, attention_mask=document_offsets(batch["tokens"], settings.eod_token))
     return shard_batch(batch, settings.cp_size, settings.cp_rank, settings.num_chunks)

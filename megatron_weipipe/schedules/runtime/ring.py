@@ -98,8 +98,9 @@ class _WeightSwap:
 class _Saved:
     """What a chunk forward leaves for its backward."""
 
-    x: torch.Tensor  # chunk input (detached leaf)
-    pre_out: Optional[torch.Tensor] = None  # chunk 0: pre_fn output, still attached to its graph
+    x: Optional[torch.Tensor]  # chunk input (detached leaf); None while offloaded to the host
+    pre_out: Any = None  # chunk 0: where pre_fn's output joins its graph (a GradientEdge; no storage)
+    pre_dtype: Optional[torch.dtype] = None
     y: Optional[torch.Tensor] = None  # output with graph (no recompute, or after a split backward)
     rng: Any = None  # RNG state before the forward, replayed by the recompute
     swap: Optional[_WeightSwap] = None
@@ -134,6 +135,7 @@ class WeiPipeRuntime:
         weight_pass: str = "replay",
         tracer: Optional[ActionTracer] = None,
         order: str = DEFAULT_ORDER,
+        offload: Any = None,
     ):
         """`comm_scope(flow)`, if given, is entered around every isend/irecv of that flow
         (e.g. to attribute bytes in a process-wide counter). `rng` (get_state/set_state)
@@ -149,7 +151,10 @@ class WeiPipeRuntime:
         `wgrad.deferred_linear` compute only input gradients at BACKWARD_INPUT and run
         their weight GEMMs at BACKWARD_WEIGHT (the real split, no repeated work; norms,
         biases and any other weight get their gradient at BACKWARD_INPUT).
-        `tracer` (an ActionTracer) times every action of every iteration."""
+        `tracer` (an ActionTracer) times every action of every iteration.
+        `offload` (model/layer_offload.LayerInputStore), with `recompute`: each chunk's
+        input waits on the host between its forward and its backward, the input of the
+        next backward on this rank's list prefetched while the current one runs."""
         if weight_pass not in ("replay", "stored", "deferred"):
             raise ValueError(f"weight_pass must be 'replay', 'stored' or 'deferred', not {weight_pass!r}")
         self.tracer = tracer
@@ -180,6 +185,9 @@ class WeiPipeRuntime:
         self.actions = schedule.actions(self.ring_rank)
         self.steps = rank_posts(schedule, self.ring_rank, order=order, lookahead=lookahead)
         self.batch_p2p = dist.get_backend(ring_group) == "nccl"
+        self.offload = offload if recompute else None
+        backwards = [(a.mb, a.chunk) for a in self.actions if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT)]
+        self.next_backward = dict(zip(backwards, backwards[1:]))
 
     # ------------------------------------------------------------------ public
 
@@ -380,11 +388,16 @@ class _IterationState:
         else:
             x = self.next_input.pop((a.mb, a.chunk))
         x.requires_grad_(True)
-        saved = _Saved(x=x, pre_out=pre_out if pre_out is not None and pre_out.requires_grad else None)
+        saved = _Saved(x=x)
+        if pre_out is not None and pre_out.requires_grad:  # the edge alone: pre_out's storage is x's or freed
+            saved.pre_out, saved.pre_dtype = torch.autograd.graph.get_gradient_edge(pre_out), pre_out.dtype
         if self.rt.recompute:
             saved.rng = self.rt.rng.get_state()
             with torch.no_grad():
                 y = self._call(flat, x, a.mb, a.chunk)
+            if self.rt.offload is not None:
+                self.rt.offload.put((a.mb, a.chunk), x)
+                saved.x = None
         else:
             swap = _WeightSwap(flat.untyped_storage().data_ptr())
             anchor = torch.zeros(1, dtype=flat.dtype, device=flat.device).expand(flat.numel()).requires_grad_()
@@ -410,6 +423,10 @@ class _IterationState:
     def _input_pass(self, a: Action, weight_too: bool) -> None:
         s = self.saved[(a.mb, a.chunk)]
         bwd = self._get(a, a.buffer)
+        if s.x is None:  # on the host since the forward; start bringing the next backward's input too
+            s.x = self.rt.offload.take((a.mb, a.chunk)).requires_grad_(True)
+            if (a.mb, a.chunk) in self.rt.next_backward:
+                self.rt.offload.prefetch(self.rt.next_backward[(a.mb, a.chunk)])
         if self.rt.recompute:
             s.anchor = bwd.detach().requires_grad_(True)
             outer = self.rt.rng.get_state()
@@ -466,7 +483,7 @@ class _IterationState:
         if a.chunk > 0:
             self.saved[(a.mb, a.chunk - 1)].dy = dx
         else:
-            s.pre_out.backward(dx.to(s.pre_out.dtype))
+            torch.autograd.backward(s.pre_out, grad_tensors=dx.to(s.pre_dtype))
 
     def _add_weight_grad(self, a: Action, dw: torch.Tensor) -> None:
         self._get(a, a.grad).add_(dw.reshape(-1).to(self.rt.grad_dtype))

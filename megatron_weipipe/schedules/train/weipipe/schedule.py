@@ -85,6 +85,8 @@ class WeiPipeSchedule(TrainSchedule):
             # The split backward of weipipe-zb: the linear layers' weight GEMMs run at W.
             weight_pass="deferred",
             tracer=self.tracer,
+            # --offload-layer-inputs: the chunk inputs kept for recomputation wait on the host
+            offload=getattr(model.decoder, "layer_input_store", None),
         )
         return self.model_chunks
 
