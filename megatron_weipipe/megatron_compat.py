@@ -60,10 +60,8 @@ class MegatronCompatConfig:
     log_memory_to_tensorboard: bool = _noop("logging")
     # --- refused: one line naming the flag ----------------------------------------
     fp8_format: Optional[str] = _refused("FP8 needs Transformer Engine on Hopper-class GPUs")
-    use_torch_fsdp2: bool = _refused("FSDP is not one of this package's data-parallel modes "
-                                     "(use --use-distributed-optimizer)", default=False)
-    use_megatron_fsdp: bool = _refused("FSDP is not one of this package's data-parallel modes "
-                                       "(use --use-distributed-optimizer)", default=False)
+    use_megatron_fsdp: bool = _refused("Megatron's own FSDP is not one of this package's data-parallel modes "
+                                       "(use --use-torch-fsdp2 or --use-distributed-optimizer)", default=False)
     use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
     rampup_batch_size: Optional[list[int]] = _refused("batch-size ramp-up changes the math; use a fixed "
                                                       "--global-batch-size")
