@@ -121,9 +121,7 @@ class FullyShardedModel(torch.nn.Module):
         pass
 
 
-def wrap_fsdp(cfg, ctx, chunks: list[torch.nn.Module]) -> list[FullyShardedModel]:
+def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config) -> list[FullyShardedModel]:
     """Shard each chunk over the data x context parallel group."""
-    from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
-
-    return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config(cfg))
+    return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config)
             for chunk in chunks]

@@ -71,7 +71,7 @@ class MegatronSchedule(TrainSchedule):
         if self.cfg.parallel.use_torch_fsdp2:
             from .fsdp import wrap_fsdp
 
-            self.model_chunks = wrap_fsdp(self.cfg, self.ctx, chunks)
+            self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg))
             config.finalize_model_grads_func = None  # FSDP reduce-scatters in backward
             return self.model_chunks
         self.model_chunks = wrap_ddp(self.cfg, chunks)
