@@ -2,7 +2,8 @@
 
 A Llama-style model (RoPE, RMSNorm, SwiGLU, GQA, untied output layer), float32, dropout
 off, 3 optimizer steps with gradient clipping active (the norm exceeds --clip-grad):
-FSDP over DP=2, and over CP=2 (Ulysses, FPDT with 4 chunks), give the losses, the
+FSDP over DP=2, and over CP=2 (Ulysses; FPDT with 4 chunks, offload and full
+recomputation), give the losses, the
 gradient norms and every final parameter of one process without FSDP within 1e-5
 relative. The fsdp bytes of each iteration equal the arithmetic of the shard sizes. An
 FSDP run saved at iteration 2 and resumed (DP=2, and DP=1: another sharding) ends where
@@ -83,7 +84,9 @@ def ckpt_dir():
 WORLD2 = {
     "fsdp-dp2": _args(**FSDP, log_interval=1),
     "fsdp-ulysses-cp2": _args(**FSDP, context_parallel_size=2),
-    "fsdp-fpdt-cp2": _args(**FSDP, context_parallel_size=2, fpdt=True, fpdt_chunk_size=16),
+    "fsdp-fpdt-cp2": _args(**FSDP, context_parallel_size=2, fpdt=True, fpdt_chunk_size=16, fpdt_offload=True,
+                           recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                           log_interval=1),
     "fsdp-dp2-save": None,  # filled in with the checkpoint directory
     "fsdp-dp2-resume": None,
 }
@@ -123,12 +126,14 @@ def test_fsdp_matches_single_process(world2, world1, name):
         _close(rank_result, ref)
 
 
-def test_fsdp_bytes_follow_the_shard_arithmetic(world2):
+@pytest.mark.parametrize("name, microbatches", [("fsdp-dp2", 1), ("fsdp-fpdt-cp2", 2)])
+def test_fsdp_bytes_follow_the_shard_arithmetic(world2, name, microbatches):
     """Per microbatch: every unit (the root too) all-gathered in forward and again in
-    backward, and reduce-scattered; each sends (N-1) shards, N=2 here."""
+    backward (recomputation included), and reduce-scattered; each sends (N-1) shards,
+    N=2 here."""
     from megatron_weipipe.schedules.train.fsdp import fsdp_bytes
 
-    result = world2["fsdp-dp2"][0]
+    result = world2[name][0]
     per_unit: dict[str, int] = {}
     for name, (local_numel, _) in result["local"].items():
         unit = "root"
@@ -137,7 +142,6 @@ def test_fsdp_bytes_follow_the_shard_arithmetic(world2):
         elif name.startswith("decoder.layers."):
             unit = "layer" + name.split(".")[2]
         per_unit[unit] = per_unit.get(unit, 0) + local_numel * 4
-    microbatches = LLAMA["global_batch_size"] // (2 * 2)
     assert set(per_unit) == {"embedding", "layer0", "layer1", "root"}
     gathers = sum(2 * fsdp_bytes(b, 2) for b in per_unit.values())
     scatters = sum(fsdp_bytes(b, 2) for b in per_unit.values())

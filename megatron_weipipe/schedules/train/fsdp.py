@@ -84,7 +84,10 @@ class FullyShardedModel(torch.nn.Module):
         self.buffers = []  # megatron-core's optimizer looks for DDP's grad buffers: none here
         self.expert_parallel_buffers = []
         self.group = group
-        self.mesh = DeviceMesh.from_group(group, device_type)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the mesh is rank bookkeeping, real even in tools/dry_run.py
+            self.mesh = DeviceMesh.from_group(group, device_type)
         attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}  # fully_shard drops them
         units = _sharded_units(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
