@@ -45,14 +45,16 @@ def _counting_comms(counter: ByteCounter, group_size: int):
             n = fsdp_bytes(nbytes(input_tensor), group_size)
             counter.add_sent(FSDP_KIND, n)
             counter.add_received(FSDP_KIND, n)
-            return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+            with counter.uncounted():
+                return super().__call__(output_tensor, input_tensor, *args, **kwargs)
 
     class CountedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, *args, **kwargs):
             n = fsdp_bytes(nbytes(output_tensor), group_size)
             counter.add_sent(FSDP_KIND, n)
             counter.add_received(FSDP_KIND, n)
-            return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+            with counter.uncounted():
+                return super().__call__(output_tensor, input_tensor, *args, **kwargs)
 
     return CountedAllGather(), CountedReduceScatter()
 
@@ -102,10 +104,11 @@ class FullyShardedModel(torch.nn.Module):
         for name, p in module.named_parameters():
             for key, value in attrs.get(name, {}).items():
                 setattr(p, key, value)
-        all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(group))
-        for unit in [*units, module]:
-            unit.set_custom_all_gather(all_gather)
-            unit.set_custom_reduce_scatter(reduce_scatter)
+        if hasattr(module, "set_custom_all_gather"):  # else (older torch) the process counter sees them
+            all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(group))
+            for unit in [*units, module]:
+                unit.set_custom_all_gather(all_gather)
+                unit.set_custom_reduce_scatter(reduce_scatter)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
