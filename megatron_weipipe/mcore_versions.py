@@ -9,6 +9,8 @@ than by version number, so a patch release that backports a change needs nothing
   it through ``serialization.load_common_state_dict``;
 - layer specs: 0.16 describes the MLP as a ``ModuleSpec`` (and passes ``tp_group`` only to
   its own MLP class); 0.19 as ``functools.partial(MLP.as_mlp_submodule, submodules=...)``;
+- parallel linear layers: 0.19 passes ``gtp_remat_size`` to the linear function
+  (weight-rematerialisation sharding; 1 means off, the plain linear's math);
 - tokenizer base class: 0.16 has ``MegatronLegacyTokenizer`` in
   ``megatron.core.datasets.megatron_tokenizer``; later releases move the tokenizers to
   ``megatron.core.tokenizers`` and keep (or drop) a ``MegatronTokenizer`` there.
@@ -55,6 +57,11 @@ def common_state_loader_owner():
     return serialization if hasattr(serialization, "load_common_state_dict") else None
 
 
+# Keyword arguments newer releases pass to the parallel linear function, at the values that
+# leave it the plain linear (so the deferred weight-gradient path may replace it).
+NEUTRAL_LINEAR_KWARGS = {"gtp_remat_size": 1}
+
+
 def with_mlp_class(mlp_spec, cls, tp_group):
     """A layer spec's MLP entry that builds ``cls`` (a subclass of megatron-core's MLP) instead."""
     if isinstance(mlp_spec, functools.partial):  # 0.19: the classmethod takes the TP group itself
@@ -62,6 +69,18 @@ def with_mlp_class(mlp_spec, cls, tp_group):
     mlp_spec.module = cls
     mlp_spec.params = dict(mlp_spec.params or {}, tp_group=tp_group)
     return mlp_spec
+
+
+def build_layer_mlp(mlp_spec, config):
+    """Build a layer spec's MLP entry on its own (as TransformerLayer does), on the current TP group."""
+    if isinstance(mlp_spec, functools.partial):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return mlp_spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                        is_mtp_layer=False)
+    from megatron.core.transformer.spec_utils import build_module
+
+    return build_module(mlp_spec, config=config)
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,6 +38,7 @@ def _megatron_run(rank, world):
         chunked_mlp,
         fpdt_attention,
     )
+    from megatron_weipipe import mcore_versions
     from megatron_weipipe.platform import install_cpu_adapter
 
     from fpdt_modules import FPDTSelfAttention
@@ -71,7 +72,7 @@ def _megatron_run(rank, world):
     )
     layer_spec = get_gpt_layer_local_spec()
     attn = build_module(layer_spec.submodules.self_attention, config=cfg, layer_number=1)
-    mlp = build_module(layer_spec.submodules.mlp, config=cfg)
+    mlp = mcore_versions.build_layer_mlp(layer_spec.submodules.mlp, cfg)
     torch.manual_seed(7)  # same data on both TP ranks
     with torch.no_grad():  # non-trivial biases (megatron initialises them to zero)
         for p in list(attn.parameters()) + list(mlp.parameters()):

@@ -7,8 +7,10 @@
 #
 # MCORE_VERSION (default 0.19.2), TORCH_VERSION (default 2.13.0) and VENV (default
 # .venv-mcore-newest) choose what is installed. On Python 3.12 the registry's torch is the
-# CUDA build (about 5.5 GB); it runs on CPU like the CPU build. Exit status 3 when no
-# Python 3.12 is found (nothing was tested), else pytest's.
+# CUDA build (about 5.5 GB); it runs on CPU like the CPU build. The Python already on PATH
+# (megatron-core 0.16 after the README's install) is the other side of the cross-release
+# checkpoint test (MEGATRON_WEIPIPE_OTHER_PYTHON). Exit status 3 when no Python 3.12 is found
+# (nothing was tested), else pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MCORE_VERSION="${MCORE_VERSION:-0.19.2}"
@@ -40,6 +42,8 @@ MCORE_TESTS=(
   tests/test_weipipe_gpt_parity.py tests/test_weipipe_gpt_checkpoint.py tests/test_fpdt_megatron.py
   tests/test_long_context_parity.py tests/test_checkpoint_resharding.py tests/test_faults_corrupt.py
   tests/test_data_datasets.py tests/test_data_tokenizers.py tests/test_hf_llama.py tests/test_megatron_flags.py
+  tests/test_fsdp.py tests/test_layer_offload.py tests/test_packed_parity.py tests/test_mcore_versions.py
 )
+export MEGATRON_WEIPIPE_OTHER_PYTHON="${MEGATRON_WEIPIPE_OTHER_PYTHON-$(command -v python || true)}"
 if [ "$#" -gt 0 ]; then MCORE_TESTS=("$@"); fi
 OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not docker and not slurm and not two_nodes" "${MCORE_TESTS[@]}"

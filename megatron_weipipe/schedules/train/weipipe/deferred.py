@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from megatron_weipipe.mcore_versions import NEUTRAL_LINEAR_KWARGS
 from megatron_weipipe.schedules.runtime import wgrad
 
 
@@ -38,8 +39,9 @@ def _impl(module: nn.Module, name: str):
     def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                      sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None,
                      **kwargs):
+        extra = {k: v for k, v in kwargs.items() if NEUTRAL_LINEAR_KWARGS.get(k, object()) != v}
         plain = (not wgrad.active() or not weight.requires_grad or sequence_parallel or gradient_accumulation_fusion
-                 or grad_output_buffer is not None or kwargs)
+                 or grad_output_buffer is not None or extra)
         if plain:
             return original(input, weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
                             allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
