@@ -9,6 +9,8 @@ than by version number, so a patch release that backports a change needs nothing
   it through ``serialization.load_common_state_dict``;
 - layer specs: 0.16 describes the MLP as a ``ModuleSpec`` (and passes ``tp_group`` only to
   its own MLP class); 0.19 as ``functools.partial(MLP.as_mlp_submodule, submodules=...)``;
+- full recomputation: 0.16 runs it in ``TransformerBlock._checkpointed_forward``; 0.19 in
+  ``megatron.core.recompute.checkpointed_forward(block, hidden_states=...)``;
 - parallel linear layers: 0.19 passes ``gtp_remat_size`` to the linear function
   (weight-rematerialisation sharding; 1 means off, the plain linear's math);
 - tokenizer base class: 0.16 has ``MegatronLegacyTokenizer`` in
@@ -81,6 +83,25 @@ def build_layer_mlp(mlp_spec, config):
     from megatron.core.transformer.spec_utils import build_module
 
     return build_module(mlp_spec, config=config)
+
+
+def wrap_checkpointed_forward(block, wrap) -> None:
+    """Run ``block``'s full-recomputation forward as ``wrap(original)(hidden_states, *args, **kwargs)``."""
+    if "_checkpointed_forward" in dir(block):  # 0.16: a method of the block
+        block._checkpointed_forward = wrap(block._checkpointed_forward)
+        return
+    from megatron.core.transformer import transformer_block
+
+    module_fn = transformer_block.checkpointed_forward
+    original = getattr(module_fn, "unwrapped", module_fn)
+    if module_fn is original:  # 0.19: one module function for every block; dispatch per block
+        def dispatch(blk, *args, **kwargs):
+            wrapped = blk.__dict__.get("_wrapped_checkpointed_forward")
+            return wrapped(*args, **kwargs) if wrapped is not None else original(blk, *args, **kwargs)
+
+        dispatch.unwrapped = original
+        transformer_block.checkpointed_forward = dispatch
+    block.__dict__["_wrapped_checkpointed_forward"] = wrap(functools.partial(original, block))
 
 
 @functools.lru_cache(maxsize=None)

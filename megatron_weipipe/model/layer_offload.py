@@ -24,6 +24,7 @@ from typing import Hashable
 
 import torch
 
+from megatron_weipipe import mcore_versions
 from megatron_weipipe.fpdt.offload import ChunkStore, HostBufferPool, OffloadStats
 from megatron_weipipe.platform import Platform
 
@@ -99,31 +100,33 @@ def install_on_block(block: torch.nn.Module, store: LayerInputStore) -> None:
 
     unit_output = CheckpointFunction._backward_cls
 
-    original = block._checkpointed_forward
     forwards = itertools.count()
 
-    def checkpointed_forward(hidden_states, *args, **kwargs):
-        group, units = next(forwards), itertools.count()
-        shape, dtype, first = hidden_states.shape, hidden_states.dtype, hidden_states.grad_fn
+    def wrap(original):
+        def checkpointed_forward(hidden_states, *args, **kwargs):
+            group, units = next(forwards), itertools.count()
+            shape, dtype, first = hidden_states.shape, hidden_states.dtype, hidden_states.grad_fn
 
-        def pack(t):
-            fn = t.grad_fn
-            if fn is None or t.shape != shape or t.dtype != dtype or not (fn is first or type(fn) is unit_output):
-                return t
-            key = (group, next(units))
-            store.put(key, t)
-            return _Offloaded(store, key)
+            def pack(t):
+                fn = t.grad_fn
+                if fn is None or t.shape != shape or t.dtype != dtype or not (fn is first or type(fn) is unit_output):
+                    return t
+                key = (group, next(units))
+                store.put(key, t)
+                return _Offloaded(store, key)
 
-        def unpack(saved):
-            if not isinstance(saved, _Offloaded):
-                return saved
-            x = store.take(saved.key)
-            saved.taken = True
-            store.prefetch((saved.key[0], saved.key[1] - 1))
-            return x
+            def unpack(saved):
+                if not isinstance(saved, _Offloaded):
+                    return saved
+                x = store.take(saved.key)
+                saved.taken = True
+                store.prefetch((saved.key[0], saved.key[1] - 1))
+                return x
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            return original(hidden_states, *args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return original(hidden_states, *args, **kwargs)
 
-    block._checkpointed_forward = checkpointed_forward
+        return checkpointed_forward
+
+    mcore_versions.wrap_checkpointed_forward(block, wrap)
     block.layer_input_store = store
