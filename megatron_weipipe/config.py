@@ -53,6 +53,11 @@ class ModelConfig:
         128, help="pad the vocabulary to a multiple of this x tensor-parallel size")
     transformer_impl: str = option("auto", choices=("auto", "local", "transformer_engine"),
                                    help="layer implementation (auto: transformer_engine when importable on a GPU)")
+    attention_backend: str = option(
+        "auto", choices=("flash", "fused", "unfused", "local", "auto"),
+        help="core attention (Megatron-LM's values). Without a GPU: auto/flash/fused = torch's fused "
+             "scaled_dot_product_attention, unfused/local = megatron-core's DotProductAttention; on a GPU "
+             "accepted, the layer spec decides as before")
     recompute_granularity: Optional[str] = option(None, help="activation recomputation: full or selective")
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "

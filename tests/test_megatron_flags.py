@@ -37,7 +37,7 @@ def test_noop_flags_leave_the_configuration_unchanged():
     plain = parse_config(tiny_gpt_args(**LLAMA3), world_size=2)
     pasted = parse_config(tiny_gpt_args(**LLAMA3) + LLAMA3_NOOPS, world_size=2)
     assert _without_compat(pasted) == _without_compat(plain)
-    assert pasted.megatron.use_flash_attn and pasted.megatron.attention_backend == "fused"
+    assert pasted.megatron.use_flash_attn and pasted.model.attention_backend == "fused"
 
 
 REFUSED = {

@@ -91,9 +91,15 @@ def layer_spec(cfg: PretrainConfig):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_weipipe.model.attention import core_attention_class
+
     if use_transformer_engine(cfg):
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    # --attention-backend, resolved by the platform (CPU: torch's fused SDPA unless unfused/local).
+    backend = detect_platform().attention_backend(cfg.model.attention_backend)
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
+    return spec
 
 
 def build_gpt_model(
