@@ -30,7 +30,7 @@ def _merge(per_rank_results, index):
 
 @pytest.fixture(scope="module")
 def reference():
-    per_rank = run_distributed(_run_many, 1, [tiny_gpt_args(make_vocab_size_divisible_by=512)], timeout=300)
+    per_rank = run_distributed(_run_many, 1, [tiny_gpt_args(make_vocab_size_divisible_by=512, attention_backend="unfused")], timeout=300)
     return _merge(per_rank, 0)
 
 
@@ -47,7 +47,7 @@ LAYOUTS_4 = {
 
 
 def _argv(overrides):
-    base = dict(make_vocab_size_divisible_by=512)
+    base = dict(make_vocab_size_divisible_by=512, attention_backend="unfused")
     base.update(overrides)
     return tiny_gpt_args(**base)
 
