@@ -207,6 +207,7 @@ def parse_args(argv=None):
                     help="sequence lengths (default: 1K..16K at every preset, and 32K at ib-edr)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; every schedule runs once per round")
     ap.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the tables")
+    ap.add_argument("--save", default=None, help="also write the rows as JSON to this file")
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     ap.add_argument("--layers", type=int, default=2, help="4 or more (a multiple of 4) adds the interleaved row")
     ap.add_argument("--hidden", type=int, default=32)
@@ -233,6 +234,10 @@ def main(argv=None) -> int:
             seqs = a.seqs or list(DEFAULT_SEQS) + list(LONG.get(preset, ()))
             rows += run_preset(preset, seqs, a, flops, work)
             print(f"# {preset} done, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    if a.save:
+        with open(a.save, "w") as f:
+            json.dump({"argv": sys.argv[1:] if argv is None else argv, "flops": flops, "notes": sorted(NOTES),
+                       "rows": rows}, f, indent=1)
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
