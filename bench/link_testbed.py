@@ -156,7 +156,7 @@ def collect(preset, seqs, a, jobs, per_rank, skipped) -> list[dict]:
             "bytes_by_kind": {kind: statistics.mean(s.get(kind, 0) for s in sent)
                               for kind in sorted({kk for s in sent for kk in s})},
             "idle_s": [x.idle_s / k for x in m.ranks], "busy_s": [x.busy_s / k for x in m.ranks],
-            "recv_wait_s": [(x.wait_s + x.send_s) / k for x in m.ranks]})
+            "recv_wait_s": [(x.wait_s + x.send_s) / k for x in m.ranks], "cost_s": m.mean_cost_s})
     rows = []
     for seq in seqs:
         base = {x["round"]: x["iter_s"] for x in runs.get((seq, "1f1b"), [])}
@@ -176,7 +176,9 @@ def collect(preset, seqs, a, jobs, per_rank, skipped) -> list[dict]:
                 "idle_s_per_rank": [statistics.median(x["idle_s"][i] for x in rs) for i in (0, 1)],
                 "busy_s_per_rank": [statistics.median(x["busy_s"][i] for x in rs) for i in (0, 1)],
                 "recv_wait_s_per_rank": [statistics.median(x["recv_wait_s"][i] for x in rs) for i in (0, 1)],
-                "iter_s": statistics.median(x["iter_s"] for x in rs)})
+                "iter_s": statistics.median(x["iter_s"] for x in rs),
+                # per round: mean seconds of one compute action by kind (one layer, one microbatch)
+                "compute_action_s_rounds": [x["cost_s"] for x in rs]})
     return rows
 
 
