@@ -5,7 +5,8 @@
 JOBS.json is a list of {"key": ..., "argv": [...]}: pretrain_gpt.py command lines, run in
 order in this one process (the import and process-group start-up are paid once; each job
 builds its model, optimizer and data afresh, as pretrain_gpt.py does). Per job this rank
-records every logged iteration's wall time and bytes sent by kind (pretrain's on_log, the
+records every logged iteration's wall time, this process's CPU seconds (the work, whatever
+else shares the core) and bytes sent by kind (pretrain's on_log, the
 numbers of the `sent/rank/iter` log line). OUT.json is rewritten after every job.
 """
 
@@ -35,9 +36,15 @@ def main(jobs_path: str, out_path: str) -> int:
         logs = []
         cfg = parse_config(job["argv"])
         t0 = time.time()
-        pretrain(cfg, model_provider, forward_step,
-                 on_log=lambda s: logs.append({"iteration": s["iteration"], "elapsed_ms": s["elapsed_ms"],
-                                               "bytes_sent": dict(s["bytes_sent"])}))
+        cpu = [time.process_time()]
+
+        def on_log(s):  # log interval 1: the CPU seconds since the previous log are this iteration's
+            now = time.process_time()
+            logs.append({"iteration": s["iteration"], "elapsed_ms": s["elapsed_ms"], "cpu_s": now - cpu[0],
+                         "bytes_sent": dict(s["bytes_sent"])})
+            cpu[0] = now
+
+        pretrain(cfg, model_provider, forward_step, on_log=on_log)
         results.append({"key": job["key"], "wall_s": time.time() - t0, "iterations": logs,
                         "rank": dist.get_rank()})
         with open(out_path + ".tmp", "w") as f:

@@ -19,7 +19,8 @@ Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (
 the per-round ratios, [min, max]); bytes each rank sends per iteration (the trainer's byte
 counter, the `sent/rank/iter` numbers); per rank, the seconds per iteration not computing
 (the per-action timestamps of --schedule-trace: iteration window minus compute, i.e.
-waiting on communication, bubble included) and computing.
+waiting on communication, bubble included) and computing; and each rank's CPU seconds
+per iteration (process time: the work, whatever else shares the core).
 
   python bench/link_testbed.py                                  # the whole sweep (docs/link_testbed.md)
   python bench/link_testbed.py --presets ib-edr --seqs 4096 8192 16384 --rounds 3
@@ -149,6 +150,7 @@ def collect(preset, seqs, a, jobs, per_rank, skipped) -> list[dict]:
         its = [rk[(seq, r, n)]["iterations"][1:] for rk in per_rank]  # the first is the warm-up
         iter_s = statistics.median(max(x["elapsed_ms"] for x in pair) / 1e3 for pair in zip(*its))
         sent = [rk[-1]["bytes_sent"] for rk in its]
+        cpu_s = [statistics.median(x.get("cpu_s", 0.0) for x in rk) for rk in its]
         m = measured.measure(measured.load(job["trace"]))
         k = len(m.iterations)
         runs.setdefault((seq, n), []).append({
@@ -156,7 +158,7 @@ def collect(preset, seqs, a, jobs, per_rank, skipped) -> list[dict]:
             "bytes_by_kind": {kind: statistics.mean(s.get(kind, 0) for s in sent)
                               for kind in sorted({kk for s in sent for kk in s})},
             "idle_s": [x.idle_s / k for x in m.ranks], "busy_s": [x.busy_s / k for x in m.ranks],
-            "recv_wait_s": [(x.wait_s + x.send_s) / k for x in m.ranks], "cost_s": m.mean_cost_s})
+            "recv_wait_s": [(x.wait_s + x.send_s) / k for x in m.ranks], "cost_s": m.mean_cost_s, "cpu_s": cpu_s})
     rows = []
     for seq in seqs:
         base = {x["round"]: x["iter_s"] for x in runs.get((seq, "1f1b"), [])}
@@ -177,6 +179,7 @@ def collect(preset, seqs, a, jobs, per_rank, skipped) -> list[dict]:
                 "busy_s_per_rank": [statistics.median(x["busy_s"][i] for x in rs) for i in (0, 1)],
                 "recv_wait_s_per_rank": [statistics.median(x["recv_wait_s"][i] for x in rs) for i in (0, 1)],
                 "iter_s": statistics.median(x["iter_s"] for x in rs),
+                "cpu_s_per_rank": [statistics.median(x["cpu_s"][i] for x in rs) for i in (0, 1)],
                 # per round: mean seconds of one compute action by kind (one layer, one microbatch)
                 "compute_action_s_rounds": [x["cost_s"] for x in rs]})
     return rows
@@ -188,17 +191,19 @@ def _span(xs, fmt):
 
 def table(rows: list[dict]) -> str:
     lines = ["| preset | seq | schedule | tokens/s median [min, max] | x 1F1B median [min, max] | MiB sent/rank/iter "
-             "(by kind) | not computing s/iter rank 0 / 1 | computing s/iter rank 0 / 1 |", "|" + "---|" * 8]
+             "(by kind) | not computing s/iter rank 0 / 1 | computing s/iter rank 0 / 1 | CPU s/iter rank 0 / 1 |",
+             "|" + "---|" * 9]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['preset']} | {r['seq']} | {r['schedule']} | skipped: {r['skipped']} |||||")
+            lines.append(f"| {r['preset']} | {r['seq']} | {r['schedule']} | skipped: {r['skipped']} ||||||")
             continue
         kinds = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in r["bytes_by_kind"].items() if v)
         lines.append(
             f"| {r['preset']} | {r['seq']} | {r['schedule']} | {_span(r['tokens_per_s_rounds'], lambda v: f'{v:.0f}')} "
             f"| {_span(r['ratio_rounds'], lambda v: f'{v:.2f}')} | {r['bytes_sent'] / 2**20:.2f} ({kinds}) "
             f"| {r['idle_s_per_rank'][0]:.2f} / {r['idle_s_per_rank'][1]:.2f} "
-            f"| {r['busy_s_per_rank'][0]:.2f} / {r['busy_s_per_rank'][1]:.2f} |")
+            f"| {r['busy_s_per_rank'][0]:.2f} / {r['busy_s_per_rank'][1]:.2f} "
+            f"| {r['cpu_s_per_rank'][0]:.2f} / {r['cpu_s_per_rank'][1]:.2f} |")
     return "\n".join(lines)
 
 
