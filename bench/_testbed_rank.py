@@ -29,6 +29,8 @@ def main(jobs_path: str, out_path: str) -> int:
     from megatron_weipipe.training.pretrain import pretrain
     from pretrain_gpt import model_provider
 
+    if os.environ.get("TESTBED_CORE"):  # taskset did it already where installed
+        os.sched_setaffinity(0, {int(os.environ["TESTBED_CORE"])})
     with open(jobs_path) as f:
         jobs = json.load(f)
     results = []

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -122,9 +123,11 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> list[dict]:
         logs = [open(os.path.join(work, f"{preset}-rank{i}.log"), "w") for i in (0, 1)]
         env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=tb.addr(0),
                    MASTER_PORT="29500", GLOO_SOCKET_IFNAME="eth0", PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
-        procs = [tb.popen(i, ["taskset", "-c", str(cores[i % len(cores)]), sys.executable,
-                              os.path.join(ROOT, "bench", "_testbed_rank.py"), jobs_path, outs[i]],
-                          env=dict(env, RANK=str(i)), stdout=logs[i], stderr=subprocess.STDOUT) for i in (0, 1)]
+        core = [str(cores[i % len(cores)]) for i in (0, 1)]
+        pin = [["taskset", "-c", c] if shutil.which("taskset") else [] for c in core]  # else the rank pins itself
+        procs = [tb.popen(i, [*pin[i], sys.executable, os.path.join(ROOT, "bench", "_testbed_rank.py"), jobs_path,
+                              outs[i]], env=dict(env, RANK=str(i), TESTBED_CORE=core[i]), stdout=logs[i],
+                          stderr=subprocess.STDOUT) for i in (0, 1)]
         deadline = time.monotonic() + a.timeout
         while any(q.poll() is None for q in procs):
             if time.monotonic() > deadline or any(q.poll() not in (None, 0) for q in procs):
