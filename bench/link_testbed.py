@@ -122,7 +122,10 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> list[dict]:
         outs = [os.path.join(work, f"{preset}-rank{i}.json") for i in (0, 1)]
         logs = [open(os.path.join(work, f"{preset}-rank{i}.log"), "w") for i in (0, 1)]
         env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=tb.addr(0),
-                   MASTER_PORT="29500", GLOO_SOCKET_IFNAME="eth0", PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+                   MASTER_PORT="29500", GLOO_SOCKET_IFNAME="eth0", PYTHONPATH=ROOT, PYTHONWARNINGS="ignore",
+                   # the rank watchdog's heartbeats would share the shaped link: a heartbeat queued
+                   # behind seconds of tensors (or retransmitted after a tbf drop) reads as a lost peer
+                   MEGATRON_WEIPIPE_WATCHDOG="0")
         core = [str(cores[i % len(cores)]) for i in (0, 1)]
         pin = [["taskset", "-c", c] if shutil.which("taskset") else [] for c in core]  # else the rank pins itself
         procs = [tb.popen(i, [*pin[i], sys.executable, os.path.join(ROOT, "bench", "_testbed_rank.py"), jobs_path,
@@ -138,7 +141,7 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> list[dict]:
             f.close()
         if codes != [0, 0]:
             tails = [open(f.name).read()[-2500:] for f in logs]
-            why = "timed out" if None in codes else f"exit codes {codes}"
+            why = f"timed out after {a.timeout:.0f}s" if all(c in (None, 0) for c in codes) else f"exit codes {codes}"
             raise RuntimeError(f"{preset}: rank processes {why}\n--- rank 0\n{tails[0]}\n--- rank 1\n{tails[1]}")
     per_rank = [{tuple(r["key"]): r for r in json.load(open(o))} for o in outs]
     return collect(preset, seqs, a, jobs, per_rank, skipped)
