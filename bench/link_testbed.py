@@ -241,6 +241,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SystemExit: the testbed's `with` cleans up
     t0, load0 = time.time(), os.getloadavg()[0]
     flops = a.flops or host_flops()
+    print(preset_table(flops, a.presets), file=sys.stderr, flush=True)  # kept if the run is cut short
     rows = []
     with tempfile.TemporaryDirectory(prefix="link_testbed") as work:
         for preset in a.presets:
