@@ -56,6 +56,11 @@ class ModelConfig:
     allow_unverified_gpu_paths: bool = option(
         False, help="keep GPU paths not yet verified by tools/gpu_acceptance.sh (WeiPipe over Transformer Engine "
                     "layers, dropout replay under them) instead of falling back to local layers with a notice")
+    attention_backend: str = option(
+        "auto", choices=("flash", "fused", "unfused", "local", "auto"),
+        help="core attention (Megatron-LM's values). Without a GPU: auto/flash/fused = torch's fused "
+             "scaled_dot_product_attention, unfused/local = megatron-core's DotProductAttention; on a GPU "
+             "accepted, the layer spec decides as before")
     recompute_granularity: Optional[str] = option(None, help="activation recomputation: full or selective")
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "
