@@ -9,6 +9,12 @@ dp_cp group. A unit's weights are all-gathered before its forward and again befo
 backward (``reshard_after_forward``), and its gradients are reduce-scattered after its
 backward, once per microbatch, averaged over the group as megatron-core's DDP averages.
 
+Under ``--bf16`` the sharded parameters stay float32 and are the optimizer's master
+weights (no second fp32 copy): FSDP2's ``MixedPrecisionPolicy`` casts each unit's shard to
+bfloat16 before the all-gather, so forward and backward run on bfloat16 weights as in the
+non-FSDP ``--bf16`` path, and casts the bfloat16 gradients to float32 before the
+reduce-scatter, so they are reduced and accumulated in float32 (``grad_reduce_in_fp32``).
+
 FSDP2 issues its collectives itself; every unit gets counting all-gather and
 reduce-scatter objects, so the bytes appear as ``fsdp`` in the log line (see
 ``fsdp_bytes``).
@@ -75,9 +81,9 @@ class FullyShardedModel(torch.nn.Module):
     ``zero_grad_buffer``, ``no_sync``)."""
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup, device_type: str, counter: ByteCounter,
-                 ddp_config, reshard_after_forward: bool = True):
+                 ddp_config, reshard_after_forward: bool = True, compute_dtype: torch.dtype = torch.float32):
         from torch.distributed import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         super().__init__()
         self.module = module
@@ -93,6 +99,17 @@ class FullyShardedModel(torch.nn.Module):
         attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}  # fully_shard drops them
         units = _sharded_units(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        if compute_dtype != torch.float32:
+            # The model was built (and initialised) in the compute dtype, as the non-FSDP
+            # path builds it; its parameters become the fp32 masters, the values that
+            # path's optimizer starts its fp32 copy from. Buffers keep the compute dtype.
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.data = p.data.to(torch.float32)
+            # No input casts: the units' floating inputs (hidden states) are already in
+            # the compute dtype, and RoPE's fp32 frequencies must stay fp32.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                                       cast_forward_inputs=False)
         previous = None
         for unit in units:
             fully_shard(unit, **kwargs)
@@ -127,7 +144,10 @@ class FullyShardedModel(torch.nn.Module):
         pass
 
 
-def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config) -> list[FullyShardedModel]:
-    """Shard each chunk over the data x context parallel group."""
-    return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config)
+def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config,
+              compute_dtype: torch.dtype = torch.float32) -> list[FullyShardedModel]:
+    """Shard each chunk over the data x context parallel group (fp32 shards; all-gathered
+    in ``compute_dtype``)."""
+    return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config,
+                              compute_dtype=compute_dtype)
             for chunk in chunks]
