@@ -75,6 +75,17 @@ def _sharded_units(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if isinstance(m, (LanguageModelEmbedding, TransformerLayer))]
 
 
+@torch.no_grad()
+def _masters(module: torch.nn.Module) -> None:
+    """fp32 parameters (the masters FSDP shards). The model is built and initialised in the
+    compute dtype, as the non-FSDP path builds it, so the masters start from the values that
+    path's optimizer copies; buffers keep the compute dtype. Cast one unit at a time, just
+    before it is sharded, so that the whole model is never held in fp32."""
+    for p in module.parameters():
+        if p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
+
+
 class FullyShardedModel(torch.nn.Module):
     """A GPT stage under FSDP2, with the surface megatron-core's schedules and optimizer
     expect of a data-parallel wrapper (``module``, ``config``, ``ddp_config``,
@@ -100,23 +111,19 @@ class FullyShardedModel(torch.nn.Module):
         units = _sharded_units(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         if compute_dtype != torch.float32:
-            # The model was built (and initialised) in the compute dtype, as the non-FSDP
-            # path builds it; its parameters become the fp32 masters, the values that
-            # path's optimizer starts its fp32 copy from. Buffers keep the compute dtype.
-            with torch.no_grad():
-                for p in module.parameters():
-                    p.data = p.data.to(torch.float32)
             # No input casts: the units' floating inputs (hidden states) are already in
             # the compute dtype, and RoPE's fp32 frequencies must stay fp32.
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                                        cast_forward_inputs=False)
         previous = None
         for unit in units:
+            _masters(unit)
             fully_shard(unit, **kwargs)
             if self.config.recompute_granularity is not None:
                 # recomputation would upset the prefetch order FSDP2 records in forward
                 unit.set_modules_to_backward_prefetch([previous] if previous is not None else [])
             previous = unit
+        _masters(module)
         fully_shard(module, **kwargs)
         for name, p in module.named_parameters():
             for key, value in attrs.get(name, {}).items():
