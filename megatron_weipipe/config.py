@@ -383,4 +383,5 @@ class PretrainConfig:
                 "reduce-scatters)")
         require(self.model.untie_embeddings_and_output_weights,
                 "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights (as in Megatron-LM)")
-        require(not (t.fp16 or t.bf16), "--use-torch-fsdp2 runs in float32 here (no --bf16 / --fp16)")
+        require(not t.fp16, "--use-torch-fsdp2 runs in float32 or --bf16 here (no --fp16: it would need a "
+                            "gradient scaler over the sharded gradients)")
