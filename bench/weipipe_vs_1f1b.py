@@ -12,9 +12,9 @@ shortest sequence at which WeiPipe moves fewer bytes than 1F1B. See
 shared/design/MEASURING.md: only ratios within one run, and counts, mean anything on
 shared CPUs.
 
-Attention is torch's scaled_dot_product_attention (the CPU flash kernel) in place of
-megatron-core's unfused local attention, whose s x s score matrix would not fit at 16K;
-every schedule runs the same layers. Rotary positions (no position-embedding table,
+Attention is the trainer's own CPU core attention (--attention-backend auto: torch's
+scaled_dot_product_attention, the CPU flash kernel; megatron-core's unfused attention's
+s x s score matrix would not fit at 16K); every schedule runs the same layers. Rotary positions (no position-embedding table,
 whose gradient all-reduce would otherwise dominate WeiPipe's collectives at 16K).
 
   OMP_NUM_THREADS=1 python bench/weipipe_vs_1f1b.py
@@ -35,35 +35,6 @@ sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from harness import run_distributed  # noqa: E402
 
 SCHEDULES = ("1f1b", "weipipe-interleave", "weipipe-zb")
-
-
-class FlashCoreAttention:
-    """Builds a megatron-core core-attention module backed by torch SDPA (causal)."""
-
-    def __new__(cls, config, layer_number, attn_mask_type, attention_type, **kwargs):
-        import torch
-
-        class _Flash(torch.nn.Module):
-            def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                        packed_seq_params=None):
-                # [s, b, heads, d] -> [b, heads, s, d]; grouped K/V repeated to the query heads.
-                q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-                if k.size(1) != q.size(1):
-                    rep = q.size(1) // k.size(1)
-                    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                s, b = out.size(2), out.size(0)
-                return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-        return _Flash()
-
-
-def flash_spec(cfg):
-    from megatron_weipipe.model.gpt import layer_spec
-
-    spec = layer_spec(cfg)
-    spec.submodules.self_attention.submodules.core_attention = FlashCoreAttention
-    return spec
 
 
 def model_args(seq: int, a) -> list[str]:
@@ -90,10 +61,9 @@ class Trainer:
 
         cfg = parse_config(model_args(seq, a) + ["--pipeline-schedule", name], world_size=2)
         self.schedule = train_class(name)(cfg, ctx)
-        spec = flash_spec(cfg)
 
         def provider(pre_process=True, post_process=True, vp_stage=None):
-            return build_gpt_model(cfg, vocab, pre_process, post_process, vp_stage, spec=spec)
+            return build_gpt_model(cfg, vocab, pre_process, post_process, vp_stage)
 
         chunks = self.schedule.build_model(provider)
         self.optimizer = build_optimizer(cfg, chunks)

@@ -56,6 +56,11 @@ class ModelConfig:
     allow_unverified_gpu_paths: bool = option(
         False, help="keep GPU paths not yet verified by tools/gpu_acceptance.sh (WeiPipe over Transformer Engine "
                     "layers, dropout replay under them) instead of falling back to local layers with a notice")
+    attention_backend: str = option(
+        "auto", choices=("flash", "fused", "unfused", "local", "auto"),
+        help="core attention (Megatron-LM's values). Without a GPU: auto/flash/fused = torch's fused "
+             "scaled_dot_product_attention, unfused/local = megatron-core's DotProductAttention; on a GPU "
+             "accepted, the layer spec decides as before")
     recompute_granularity: Optional[str] = option(None, help="activation recomputation: full or selective")
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "
@@ -378,4 +383,5 @@ class PretrainConfig:
                 "reduce-scatters)")
         require(self.model.untie_embeddings_and_output_weights,
                 "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights (as in Megatron-LM)")
-        require(not (t.fp16 or t.bf16), "--use-torch-fsdp2 runs in float32 here (no --bf16 / --fp16)")
+        require(not t.fp16, "--use-torch-fsdp2 runs in float32 or --bf16 here (no --fp16: it would need a "
+                            "gradient scaler over the sharded gradients)")

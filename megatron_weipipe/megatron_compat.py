@@ -30,8 +30,6 @@ class MegatronCompatConfig:
     # --- accepted, no effect ------------------------------------------------------
     use_mcore_models: bool = _noop("the model is always megatron-core's GPTModel")
     use_flash_attn: bool = _noop("attention kernel choice; the same softmax attention is computed")
-    attention_backend: Optional[str] = _noop("attention kernel choice", default=None,
-                                             choices=("flash", "fused", "unfused", "local", "auto"))
     no_masked_softmax_fusion: bool = _noop("kernel fusion")
     no_bias_gelu_fusion: bool = _noop("kernel fusion")
     no_bias_swiglu_fusion: bool = _noop("kernel fusion")

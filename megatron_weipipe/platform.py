@@ -61,6 +61,18 @@ class Platform:
             return self.is_cuda and self.transformer_engine
         return self.is_cuda and importlib.util.find_spec("transformer_engine") is not None
 
+    def attention_backend(self, requested: str = "auto") -> str:
+        """The core attention a Megatron-LM ``--attention-backend`` value selects here.
+
+        Without a GPU, ``auto`` is ``flash``: torch's fused scaled-dot-product kernel
+        (memory linear in the sequence), so long sequences fit; ``unfused`` / ``local`` keep
+        megatron-core's unfused DotProductAttention. On a CUDA host the value is returned
+        as given and the layer spec decides as before (Transformer Engine when installed).
+        """
+        if self.is_cuda:
+            return requested
+        return "flash" if requested == "auto" else requested
+
     def peak_memory_gb(self) -> tuple[float, str]:
         """Peak device memory (CUDA) or peak resident set (CPU), in GB, with its meaning."""
         if self.is_cuda:

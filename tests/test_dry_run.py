@@ -52,3 +52,22 @@ def test_fpdt_offload_keeps_chunk_state_on_the_host_and_bad_flags_exit_2():
     assert out["host_bytes"] > 0 and out["estimator"]["host_bytes"] > 0
     bad = _dry("--global-batch-size", "8", "--world-size", "2", "--rank", "5")
     assert bad.returncode == 2 and "--rank" in bad.stderr
+
+
+def test_fsdp_bf16_rank_state_is_its_shards_and_the_gathered_units():
+    """--use-torch-fsdp2 --bf16 over 2 ranks: fp32 parameter and gradient shards (half the
+    model each), Adam's two fp32 moments of the shards, and at the peak (the start of the
+    backward) the bf16 weights of the root unit (output layer, final norm) and of one
+    transformer layer gathered. TINY's model: vocab 1025 padded to 1152, learned positions."""
+    p = _dry("--global-batch-size", "4", "--world-size", "2", "--use-torch-fsdp2",
+             "--untie-embeddings-and-output-weights")
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    h, vocab, n_tensors = 64, 1152, 54
+    layer = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * 4 * h + 4 * h) + (4 * h * h + h)
+    root = vocab * h + 2 * h
+    model = vocab * h + 128 * h + 4 * layer + root
+    shard_fp32 = 4 * model // 2
+    assert out["category_peaks"]["gradients"] == shard_fp32
+    assert out["categories"]["optimizer_state"] == 2 * shard_fp32 + 4 * n_tensors  # moments + step counters
+    assert out["categories"]["parameters"] == shard_fp32 + 2 * (root + layer)

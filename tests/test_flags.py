@@ -19,7 +19,7 @@ MEGATRON_FLAGS = """
 --num-layers --hidden-size --num-attention-heads --ffn-hidden-size --group-query-attention --num-query-groups
 --kv-channels --seq-length --max-position-embeddings --position-embedding-type --rotary-base --rotary-percent
 --normalization --norm-epsilon --swiglu --untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias
---hidden-dropout --attention-dropout --init-method-std --make-vocab-size-divisible-by --transformer-impl
+--hidden-dropout --attention-dropout --init-method-std --make-vocab-size-divisible-by --transformer-impl --attention-backend
 --recompute-granularity --recompute-method --recompute-num-layers --no-layout-invariant-init
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
 --context-parallel-size --pipeline-schedule --sequence-parallel --use-distributed-optimizer --use-torch-fsdp2 --overlap-grad-reduce

@@ -5,7 +5,8 @@ off, 3 optimizer steps with gradient clipping active (the norm exceeds --clip-gr
 FSDP over DP=2, and over CP=2 (Ulysses; FPDT with 4 chunks, offload and full
 recomputation), give the losses, the
 gradient norms and every final parameter of one process without FSDP within 1e-5
-relative. The fsdp bytes of each iteration equal the arithmetic of the shard sizes. An
+relative. Under --bf16 (fp32 sharded masters, bf16 all-gathers, fp32 reduce-scatters)
+the same against the non-FSDP --bf16 runs, with a tolerance that a missing cast fails. The fsdp bytes of each iteration equal the arithmetic of the shard sizes. An
 FSDP run saved at iteration 2 and resumed (DP=2, and DP=1: another sharding) ends where
 the uninterrupted one does; a non-FSDP run refuses the checkpoint in one line.
 One spawned run per world size; the world of 1 loads what the world of 2 saved.
@@ -35,6 +36,16 @@ LLAMA = dict(
     untie_embeddings_and_output_weights=True, clip_grad=1.0,
 )
 FSDP = dict(use_torch_fsdp2=True)
+BF16_RECOMPUTE = dict(bf16=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+BF16_FPDT = dict(bf16=True, context_parallel_size=2, fpdt=True, fpdt_chunk_size=16)
+# --bf16 parity (docs/fsdp.md). Against a run of the same bf16 arithmetic (the single
+# process for DP=2, the non-FSDP FPDT run for FSDP FPDT) only fp32 summation order differs:
+# measured <= 3e-6. A gradient reduced in bf16 misses it by 15x (1.5e-4 grad norm,
+# 2.7e-4 parameters); a missing bf16 cast (fp32 compute) by 70x (see the test below).
+BF16_RTOL = 1e-5
+# FPDT's chunked bf16 attention rounds differently from unchunked attention: against the
+# single process only the losses are that close (7.7e-7 measured; fp32 compute: 1.6e-4).
+BF16_FPDT_LOSS_RTOL = 2e-5
 
 
 def _args(**overrides):
@@ -89,6 +100,12 @@ WORLD2 = {
                            log_interval=1),
     "fsdp-dp2-save": None,  # filled in with the checkpoint directory
     "fsdp-dp2-resume": None,
+    # --bf16: plain (megatron-core unfused) attention with full recomputation, on CPU
+    "fsdp-bf16-dp2": _args(**FSDP, **BF16_RECOMPUTE, log_interval=1),
+    "fsdp-bf16-dp2-save": None,
+    "fsdp-bf16-dp2-resume": None,
+    "fsdp-bf16-fpdt-cp2": _args(**FSDP, **BF16_FPDT),
+    "bf16-fpdt-cp2": _args(**BF16_FPDT),  # the same chunked attention without FSDP
 }
 
 
@@ -97,13 +114,16 @@ def world2(ckpt_dir):
     runs = dict(WORLD2)
     runs["fsdp-dp2-save"] = _args(**FSDP, save=ckpt_dir, exit_interval=2)
     runs["fsdp-dp2-resume"] = _args(**FSDP, load=ckpt_dir)
+    bf16_dir = os.path.join(ckpt_dir, "bf16")
+    runs["fsdp-bf16-dp2-save"] = _args(**FSDP, **BF16_RECOMPUTE, save=bf16_dir, exit_interval=2)
+    runs["fsdp-bf16-dp2-resume"] = _args(**FSDP, **BF16_RECOMPUTE, load=bf16_dir)
     per_rank = run_distributed(_run_many, 2, list(runs.values()), timeout=400)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(runs)}
 
 
 @pytest.fixture(scope="module")
 def world1(world2, ckpt_dir):
-    runs = {"reference": _args(), "fsdp-dp1-resume": _args(**FSDP, load=ckpt_dir),
+    runs = {"reference": _args(), "reference-bf16": _args(bf16=True), "fsdp-dp1-resume": _args(**FSDP, load=ckpt_dir),
             "plain<-fsdp": _args(load=ckpt_dir)}
     per_rank = run_distributed(_run_many, 1, list(runs.values()), timeout=300)
     return {name: per_rank[0][i] for i, name in enumerate(runs)}
@@ -126,11 +146,40 @@ def test_fsdp_matches_single_process(world2, world1, name):
         _close(rank_result, ref)
 
 
-@pytest.mark.parametrize("name, microbatches", [("fsdp-dp2", 1), ("fsdp-fpdt-cp2", 2)])
-def test_fsdp_bytes_follow_the_shard_arithmetic(world2, name, microbatches):
+def _bf16(run):
+    """The run with its fp32 master parameters rounded to bf16, as the model computes with
+    them (the non-FSDP --bf16 model's own parameters are bf16)."""
+    import torch
+
+    return dict(run, params={k: torch.from_numpy(v).to(torch.bfloat16).double().numpy()
+                             for k, v in run["params"].items()})
+
+
+def test_fsdp_bf16_matches_single_process_bf16(world2, world1):
+    ref = world1["reference-bf16"]
+    for rank_result in world2["fsdp-bf16-dp2"]:
+        _close(_bf16(rank_result), ref, BF16_RTOL)
+    for fsdp, plain in zip(world2["fsdp-bf16-fpdt-cp2"], world2["bf16-fpdt-cp2"]):
+        _close(_bf16(fsdp), plain, BF16_RTOL)
+        assert max(abs(a - b) / b for a, b in zip(fsdp["losses"], ref["losses"])) < BF16_FPDT_LOSS_RTOL
+
+
+def test_fsdp_bf16_tolerance_catches_fp32_compute(world2, world1):
+    """The fp32 FSDP run is what --bf16 would give if FSDP's cast to bf16 were missing: the
+    tolerances above must reject it."""
+    fp32, ref = _bf16(world2["fsdp-dp2"][0]), world1["reference-bf16"]
+    with pytest.raises(AssertionError):
+        _close(fp32, ref, BF16_RTOL)
+    assert max(abs(a - b) / b for a, b in zip(fp32["losses"], ref["losses"])) > 5 * BF16_FPDT_LOSS_RTOL
+
+
+@pytest.mark.parametrize("name, microbatches, gathered", [("fsdp-dp2", 1, 4), ("fsdp-fpdt-cp2", 2, 4),
+                                                          ("fsdp-bf16-dp2", 1, 2)])
+def test_fsdp_bytes_follow_the_shard_arithmetic(world2, name, microbatches, gathered):
     """Per microbatch: every unit (the root too) all-gathered in forward and again in
     backward (recomputation included), and reduce-scattered; each sends (N-1) shards,
-    N=2 here."""
+    N=2 here. Under --bf16 the all-gathers move bf16 (2 bytes a parameter), the
+    reduce-scatters fp32 (4)."""
     from megatron_weipipe.schedules.train.fsdp import fsdp_bytes
 
     result = world2[name][0]
@@ -141,19 +190,20 @@ def test_fsdp_bytes_follow_the_shard_arithmetic(world2, name, microbatches):
             unit = "embedding"
         elif name.startswith("decoder.layers."):
             unit = "layer" + name.split(".")[2]
-        per_unit[unit] = per_unit.get(unit, 0) + local_numel * 4
+        per_unit[unit] = per_unit.get(unit, 0) + local_numel
     assert set(per_unit) == {"embedding", "layer0", "layer1", "root"}
-    gathers = sum(2 * fsdp_bytes(b, 2) for b in per_unit.values())
-    scatters = sum(fsdp_bytes(b, 2) for b in per_unit.values())
+    gathers = sum(2 * fsdp_bytes(n * gathered, 2) for n in per_unit.values())
+    scatters = sum(fsdp_bytes(n * 4, 2) for n in per_unit.values())
     expected = microbatches * (gathers + scatters)
     assert len(result["bytes"]) == 3
     for logged in result["bytes"]:
         assert logged.get("fsdp") == expected, (logged, expected, per_unit)
 
 
-def test_fsdp_resume_is_exact(world2):
-    uninterrupted, resumed = world2["fsdp-dp2"][0], world2["fsdp-dp2-resume"][0]
-    assert world2["fsdp-dp2-save"][0]["losses"] == uninterrupted["losses"][:2]
+@pytest.mark.parametrize("name", ["fsdp-dp2", "fsdp-bf16-dp2"])
+def test_fsdp_resume_is_exact(world2, name):
+    uninterrupted, resumed = world2[name][0], world2[name + "-resume"][0]
+    assert world2[name + "-save"][0]["losses"] == uninterrupted["losses"][:2]
     assert resumed["losses"] == uninterrupted["losses"][2:]
     for k in uninterrupted["params"]:
         np.testing.assert_array_equal(resumed["params"][k], uninterrupted["params"][k])
@@ -178,7 +228,7 @@ def test_fsdp_checkpoint_refused_without_fsdp(world1):
     (dict(tensor_model_parallel_size=2, make_vocab_size_divisible_by=256), "--tensor-model-parallel-size 1"),
     (dict(use_distributed_optimizer=True), "--use-distributed-optimizer"),
     (dict(untie_embeddings_and_output_weights=False), "--untie-embeddings-and-output-weights"),
-    (dict(bf16=True), "--bf16"),
+    (dict(fp16=True), "--fp16"),
     (dict(overlap_grad_reduce=True), "--overlap-grad-reduce"),
 ])
 def test_fsdp_refuses_what_it_cannot_run(overrides, needle):

@@ -30,6 +30,7 @@ LLAMA3 = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tr
 def _without_compat(cfg) -> dict:
     d = asdict(cfg)
     d.pop("megatron")
+    d["model"].pop("attention_backend")  # a model flag now; fused and auto select the same core attention
     return d
 
 
@@ -37,7 +38,11 @@ def test_noop_flags_leave_the_configuration_unchanged():
     plain = parse_config(tiny_gpt_args(**LLAMA3), world_size=2)
     pasted = parse_config(tiny_gpt_args(**LLAMA3) + LLAMA3_NOOPS, world_size=2)
     assert _without_compat(pasted) == _without_compat(plain)
-    assert pasted.megatron.use_flash_attn and pasted.megatron.attention_backend == "fused"
+    assert pasted.megatron.use_flash_attn and pasted.model.attention_backend == "fused"
+    from megatron_weipipe.platform import Platform
+
+    cpu = Platform("cpu", "gloo")
+    assert {cpu.attention_backend(b) for b in ("fused", "auto")} <= {"flash", "fused"}
 
 
 REFUSED = {

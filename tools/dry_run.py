@@ -70,6 +70,7 @@ class Ledger:
             self.scopes.pop()
 
     def note(self, t) -> None:
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor (FSDP): this rank's shard
         st = t.untyped_storage()
         key = id(st)
         if key in self.live and self.live[key][2]() is st:
@@ -84,6 +85,14 @@ class Ledger:
         entry = self.live.pop(key, None)
         if entry is not None:
             self.by_role[entry[0]] -= entry[1]
+
+    def resize(self, t, nbytes: int) -> None:
+        """A storage resized in place (FSDP frees and re-allocates gathered weights so)."""
+        entry = self.live.get(id(t.untyped_storage()))
+        if entry is not None:
+            self.by_role[entry[0]] += nbytes - entry[1]
+            entry[1] = nbytes
+            self._check()
 
     def assign(self, tensors, role: str) -> None:
         for t in tensors:
@@ -172,6 +181,22 @@ def _patch_scopes(ledger: Ledger):
         self.sends = []
 
     ring._IterationState._reap_sends = reap
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    for name in ("unshard", "wait_for_unshard"):  # FSDP's all-gathered weights (in the compute dtype)
+        scoped(_fsdp_param_group.FSDPParamGroup, name, "parameters")
+    free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
+
+    def freed(t):
+        ledger.resize(t, 0)
+        free(t)
+
+    def allocated(t):
+        alloc(t)
+        ledger.resize(t, t.numel() * t.itemsize)
+
+    _fsdp_param.free_storage = freed
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = allocated
     init = ring._IterationState.__init__
 
     def state_init(self, rt, master, microbatches, pre_fn, post_fn, main_grad, *rest):
@@ -293,6 +318,9 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
         params = [p for m in chunks for p in m.parameters()]
         ledger.assign(params, "parameters")
         ledger.assign([getattr(p, "main_grad", None) for p in params], "gradients")
+        if cfg.parallel.use_torch_fsdp2:  # FSDP's gradients exist after a backward only: Adam's state needs them
+            for p in params:
+                p.grad = torch.zeros_like(p)
         with ledger.scope("optimizer_state"):
             optimizer = build_optimizer(cfg, chunks)
             optimizer.prepare_grads()

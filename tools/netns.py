@@ -158,14 +158,15 @@ class Testbed:
 
     # --- the links ----------------------------------------------------------------------
     def shape(self, i: int, rate: Optional[str] = None, delay_ms: float = 0, loss_pct: float = 0,
-              burst: str = "64kb") -> None:
-        """Shape host ``i``'s link, both directions: a rate alone is a tc tbf; delay or loss
-        need tc netem (a kernel module some kernels lack: then RuntimeError says so)."""
+              burst: str = "64kb", queue_ms: float = 50) -> None:
+        """Shape host ``i``'s link, both directions: a rate alone is a tc tbf (queueing at most
+        ``queue_ms`` of traffic before dropping); delay or loss need tc netem (a kernel
+        module some kernels lack: then RuntimeError says so)."""
         if delay_ms or loss_pct:
             spec = ["netem"] + (["delay", f"{delay_ms}ms"] if delay_ms else []) \
                 + (["loss", f"{loss_pct}%"] if loss_pct else []) + (["rate", rate] if rate else [])
         elif rate:
-            spec = ["tbf", "rate", rate, "burst", burst, "latency", "50ms"]
+            spec = ["tbf", "rate", rate, "burst", burst, "latency", f"{queue_ms:g}ms"]
         else:
             spec = ["pfifo"]
         for ns, dev in ((self.ns[i], "eth0"), (self.hub, f"p{i}")):

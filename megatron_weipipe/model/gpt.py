@@ -90,9 +90,16 @@ def layer_spec(cfg: PretrainConfig, platform: Optional[Platform] = None):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_weipipe.model.attention import core_attention_class
+
+    platform = platform or detect_platform()
     if use_transformer_engine(cfg, platform):
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    # --attention-backend, resolved by the platform (CPU: torch's fused SDPA unless unfused/local).
+    backend = platform.attention_backend(cfg.model.attention_backend)
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
+    return spec
 
 
 def build_gpt_model(

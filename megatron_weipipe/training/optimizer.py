@@ -11,6 +11,9 @@ from megatron_weipipe.config import PretrainConfig
 
 def optimizer_config(cfg: PretrainConfig) -> OptimizerConfig:
     t = cfg.training
+    # Under --use-torch-fsdp2 the (sharded) parameters are fp32 and are the master weights
+    # themselves (docs/fsdp.md): megatron-core's fp32 optimizer, no copy, no loss scale.
+    half = not cfg.parallel.use_torch_fsdp2
     return OptimizerConfig(
         optimizer=t.optimizer,
         lr=t.lr,
@@ -21,9 +24,9 @@ def optimizer_config(cfg: PretrainConfig) -> OptimizerConfig:
         adam_eps=t.adam_eps,
         sgd_momentum=t.sgd_momentum,
         clip_grad=t.clip_grad,
-        bf16=t.bf16,
-        fp16=t.fp16,
-        params_dtype=torch.bfloat16 if t.bf16 else (torch.float16 if t.fp16 else torch.float32),
+        bf16=t.bf16 and half,
+        fp16=t.fp16 and half,
+        params_dtype=torch.bfloat16 if t.bf16 and half else (torch.float16 if t.fp16 and half else torch.float32),
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         initial_loss_scale=2**16,
     )

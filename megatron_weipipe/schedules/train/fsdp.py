@@ -9,6 +9,12 @@ dp_cp group. A unit's weights are all-gathered before its forward and again befo
 backward (``reshard_after_forward``), and its gradients are reduce-scattered after its
 backward, once per microbatch, averaged over the group as megatron-core's DDP averages.
 
+Under ``--bf16`` the sharded parameters stay float32 and are the optimizer's master
+weights (no second fp32 copy): FSDP2's ``MixedPrecisionPolicy`` casts each unit's shard to
+bfloat16 before the all-gather, so forward and backward run on bfloat16 weights as in the
+non-FSDP ``--bf16`` path, and casts the bfloat16 gradients to float32 before the
+reduce-scatter, so they are reduced and accumulated in float32 (``grad_reduce_in_fp32``).
+
 FSDP2 issues its collectives itself; every unit gets counting all-gather and
 reduce-scatter objects, so the bytes appear as ``fsdp`` in the log line (see
 ``fsdp_bytes``).
@@ -69,15 +75,26 @@ def _sharded_units(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if isinstance(m, (LanguageModelEmbedding, TransformerLayer))]
 
 
+@torch.no_grad()
+def _masters(module: torch.nn.Module) -> None:
+    """fp32 parameters (the masters FSDP shards). The model is built and initialised in the
+    compute dtype, as the non-FSDP path builds it, so the masters start from the values that
+    path's optimizer copies; buffers keep the compute dtype. Cast one unit at a time, just
+    before it is sharded, so that the whole model is never held in fp32."""
+    for p in module.parameters():
+        if p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
+
+
 class FullyShardedModel(torch.nn.Module):
     """A GPT stage under FSDP2, with the surface megatron-core's schedules and optimizer
     expect of a data-parallel wrapper (``module``, ``config``, ``ddp_config``,
     ``zero_grad_buffer``, ``no_sync``)."""
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup, device_type: str, counter: ByteCounter,
-                 ddp_config, reshard_after_forward: bool = True):
+                 ddp_config, reshard_after_forward: bool = True, compute_dtype: torch.dtype = torch.float32):
         from torch.distributed import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         super().__init__()
         self.module = module
@@ -93,13 +110,20 @@ class FullyShardedModel(torch.nn.Module):
         attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}  # fully_shard drops them
         units = _sharded_units(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        if compute_dtype != torch.float32:
+            # No input casts: the units' floating inputs (hidden states) are already in
+            # the compute dtype, and RoPE's fp32 frequencies must stay fp32.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                                       cast_forward_inputs=False)
         previous = None
         for unit in units:
+            _masters(unit)
             fully_shard(unit, **kwargs)
             if self.config.recompute_granularity is not None:
                 # recomputation would upset the prefetch order FSDP2 records in forward
                 unit.set_modules_to_backward_prefetch([previous] if previous is not None else [])
             previous = unit
+        _masters(module)
         fully_shard(module, **kwargs)
         for name, p in module.named_parameters():
             for key, value in attrs.get(name, {}).items():
@@ -127,7 +151,10 @@ class FullyShardedModel(torch.nn.Module):
         pass
 
 
-def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config) -> list[FullyShardedModel]:
-    """Shard each chunk over the data x context parallel group."""
-    return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config)
+def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config,
+              compute_dtype: torch.dtype = torch.float32) -> list[FullyShardedModel]:
+    """Shard each chunk over the data x context parallel group (fp32 shards; all-gathered
+    in ``compute_dtype``)."""
+    return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config,
+                              compute_dtype=compute_dtype)
             for chunk in chunks]

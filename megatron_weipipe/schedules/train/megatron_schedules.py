@@ -71,7 +71,8 @@ class MegatronSchedule(TrainSchedule):
         if self.cfg.parallel.use_torch_fsdp2:
             from .fsdp import wrap_fsdp
 
-            self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg))
+            dtype = torch.bfloat16 if self.cfg.training.bf16 else torch.float32
+            self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg), compute_dtype=dtype)
             config.finalize_model_grads_func = None  # FSDP reduce-scatters in backward
             return self.model_chunks
         self.model_chunks = wrap_ddp(self.cfg, chunks)

@@ -1,0 +1,62 @@
+"""One rank of bench/link_testbed.py: the trainer's own pretrain(), run once per job.
+
+    python bench/_testbed_rank.py JOBS.json OUT.json      (RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
+
+JOBS.json is a list of {"key": ..., "argv": [...]}: pretrain_gpt.py command lines, run in
+order in this one process (the import and process-group start-up are paid once; each job
+builds its model, optimizer and data afresh, as pretrain_gpt.py does). Per job this rank
+records every logged iteration's wall time, this process's CPU seconds (the work, whatever
+else shares the core) and bytes sent by kind (pretrain's on_log, the
+numbers of the `sent/rank/iter` log line). OUT.json is rewritten after every job.
+"""
+
+import json
+import os
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's package and pretrain_gpt.py
+warnings.filterwarnings("ignore")
+
+
+def main(jobs_path: str, out_path: str) -> int:
+    import torch.distributed as dist
+
+    from megatron_weipipe.arguments import parse_config
+    from megatron_weipipe.model.gpt_step import forward_step
+    from megatron_weipipe.training.pretrain import pretrain
+    from pretrain_gpt import model_provider
+
+    if os.environ.get("TESTBED_CORE"):  # taskset did it already where installed
+        os.sched_setaffinity(0, {int(os.environ["TESTBED_CORE"])})
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    results = []
+    for job in jobs:
+        logs = []
+        cfg = parse_config(job["argv"])
+        t0 = time.time()
+        cpu = [time.process_time()]
+
+        def on_log(s):  # log interval 1: the CPU seconds since the previous log are this iteration's
+            now = time.process_time()
+            logs.append({"iteration": s["iteration"], "elapsed_ms": s["elapsed_ms"], "cpu_s": now - cpu[0],
+                         "bytes_sent": dict(s["bytes_sent"])})
+            cpu[0] = now
+
+        pretrain(cfg, model_provider, forward_step, on_log=on_log)
+        results.append({"key": job["key"], "wall_s": time.time() - t0, "iterations": logs,
+                        "rank": dist.get_rank()})
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(out_path + ".tmp", out_path)
+    from megatron_weipipe.initialize import shutdown_distributed
+
+    shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

