@@ -375,11 +375,11 @@ def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
         "optimizer_state": mem.params * state.optimizer / state.optimizer_shards,
         "activations": mem.activations + mem.transient,
         "communication_buffers": mem.buffers,
-        "fpdt_chunk_state": 0,
+        "fpdt_chunk_state": mem.chunk_state,
     }
     roles = {k: int(v) for k, v in roles.items()}
-    return {"peak_accelerator_bytes": int(mem.total), "categories": roles,
-            "host_bytes": int(fp.host_bytes_per_rank) if fp is not None else 0,
+    return {"peak_accelerator_bytes": int(mem.total + mem.chunk_state), "categories": roles,
+            "host_bytes": int(mem.host),
             "sent_bytes": int(sum(counter_bytes(spec, schedule)[pp_rank].values()))}
 
 

@@ -98,6 +98,52 @@ def logits_bytes(shape: ModelShape, tp: int = 1, cp: int = 1) -> float:
     return 2.0 * shape.tokens / cp * shape.padded_vocab(tp) / tp * 4
 
 
+def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str, chunks: int = 1) -> float:
+    """Bytes one layer of the long-context path (model/long_context.py: CP > 1 or FPDT, local
+    layers) saves for its backward, one microbatch, one rank; ``mode`` "ulysses", "fpdt"
+    or "offload" (FPDT with --fpdt-offload). Per local token, from the code:
+    - each of the two RMSNorms (torch's composite rms_norm) saves its fp32 input copy and
+      fp32 normalised output (8h) and the fp32 1/rms (4); its bf16 output is saved by the
+      linear that reads it (attention input: not with offload, where fpdt_attention keeps
+      the input chunks on the host; MLP input: always);
+    - Ulysses (ulysses_attention): rotated q, k, v and o in head layout, o again in
+      sequence layout (the projection's input), the fp32 log-sum-exp; megatron-core's MLP:
+      fc1 output (2f), silu output (f), product (f);
+    - FPDT without offload: its ChunkStore keeps q, o, k, v, the fp32 log-sum-exp and the
+      output chunks in sequence layout on the device; the chunked MLP keeps only its input.
+    LayerNorm (native kernel) saves its bf16 input and two fp32 statistics instead."""
+    b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
+    a, g, d, f = shape.num_attention_heads / o.tp, shape.groups / o.tp, shape.head_dim, shape.ffn / o.tp
+    e = o.dtype_bytes
+    norm = 8 * h + 4 if shape.normalization == "RMSNorm" else h * e + 8
+    per_token = 2 * norm + (1 if mode == "offload" else 2) * h * e
+    if mode == "ulysses":
+        per_token += (2 * a + 2 * g) * d * e + a * d * e + 4 * a
+        per_token += (4 * f if shape.swiglu else 2 * f) * e
+    elif mode == "fpdt":
+        per_token += (3 * a + 2 * g) * d * e + 4 * a
+    return s * b * per_token
+
+
+def long_context_norm_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+    """The composite rms_norm's backward: four fp32 tensors of the norm's input size alive at
+    once beside what the layer saved (gradient upcast, its product with the weight, and the
+    two terms of the input gradient)."""
+    if shape.normalization != "RMSNorm":
+        return 0.0
+    return 4 * 4 * shape.micro_batch_size * shape.seq_length / o.cp * shape.hidden_size
+
+
+def chunked_loss_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> float:
+    """FPDT's chunked cross entropy, rank holding the loss, at its backward: saved final-norm
+    output and fp32 log-sum-exp, the input gradient (s x h), the fp32 weight-gradient
+    accumulator (V x h), and of one chunk of c = s/chunks tokens the fp32 probabilities,
+    their product with the loss gradient and its bf16 cast (10 bytes per token and vocab)."""
+    b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
+    v, e = shape.padded_vocab(o.tp) / o.tp, o.dtype_bytes
+    return s * b * (2 * h * e + 4) + v * h * 4 + s / chunks * b * v * (8 + e)
+
+
 # ---------------------------------------------------------------- read off the lists
 
 def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ...]:
@@ -208,6 +254,8 @@ class RankMemory:
     activations: float
     buffers: float  # WeiPipe circulating weights/gradients, runtime flat copies
     transient: float  # the largest short-lived allocation (logits, one recomputed chunk)
+    host: float = 0.0  # offload's host buffers (FPDT's per-layer pools)
+    chunk_state: float = 0.0  # FPDT chunks brought back from the host (offload)
 
     @property
     def total(self) -> float:
