@@ -52,3 +52,18 @@ def test_fpdt_offload_keeps_chunk_state_on_the_host_and_bad_flags_exit_2():
     assert out["host_bytes"] > 0 and out["estimator"]["host_bytes"] > 0
     bad = _dry("--global-batch-size", "8", "--world-size", "2", "--rank", "5")
     assert bad.returncode == 2 and "--rank" in bad.stderr
+
+
+def test_estimator_within_ten_percent_of_the_dry_run_per_category():
+    """tools/simulator_validation/dry_run_vs_estimator.py at the small scale for three
+    schedule x long-context combinations (ones the small scale brings within 10%; see
+    docs/gpu_readiness.md for the whole table): every category (state, activations, WeiPipe
+    buffers, FPDT chunk state, host bytes, sent bytes, the peak) within 10%."""
+    from simulator_validation.dry_run_vs_estimator import CATEGORIES, case_flags, compare, run_case
+
+    bad = []
+    for schedule, mode in (("none", "offload"), ("none", "ulysses"), ("weipipe-zb", "off")):
+        flags, world, rank = case_flags("small", schedule, mode)
+        rows = compare(run_case(flags, world, rank, timeout=300))
+        bad += [(schedule, mode, c, rows[c]) for c in CATEGORIES if abs(rows[c][2]) > 0.10]
+    assert not bad, bad
