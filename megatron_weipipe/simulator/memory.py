@@ -108,7 +108,7 @@ def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str,
       the input chunks on the host; MLP input: always);
     - Ulysses (ulysses_attention): rotated q, k, v and o in head layout, o again in
       sequence layout (the projection's input), the fp32 log-sum-exp; megatron-core's MLP:
-      fc1 output (2f), silu output (f), product (f);
+      fc1 output (2f), the sigmoid and silu of its first half and their product (3f);
     - FPDT without offload: its ChunkStore keeps q, o, k, v, the fp32 log-sum-exp and the
       output chunks in sequence layout on the device; the chunked MLP keeps only its input.
     LayerNorm (native kernel) saves its bf16 input and two fp32 statistics instead."""
@@ -119,7 +119,7 @@ def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str,
     per_token = 2 * norm + (1 if mode == "offload" else 2) * h * e
     if mode == "ulysses":
         per_token += (2 * a + 2 * g) * d * e + a * d * e + 4 * a
-        per_token += (4 * f if shape.swiglu else 2 * f) * e
+        per_token += (5 * f if shape.swiglu else 2 * f) * e
     elif mode == "fpdt":
         per_token += (3 * a + 2 * g) * d * e + 4 * a
     return s * b * per_token
@@ -132,6 +132,16 @@ def long_context_norm_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> 
     if shape.normalization != "RMSNorm":
         return 0.0
     return 4 * 4 * shape.micro_batch_size * shape.seq_length / o.cp * shape.hidden_size
+
+
+def chunked_mlp_scratch_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> float:
+    """FPDT's chunked MLP backward (fpdt/mlp.py): the input gradient (s x h), the fp32
+    weight-gradient accumulators (fc1 and fc2), and of one chunk of s/chunks tokens the
+    recomputed fc1 output and its gradient (2 x 2f with SwiGLU) and four f-wide tensors
+    (sigmoid, silu, product, their gradient)."""
+    b, s, h, f, e = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size, shape.ffn / o.tp, o.dtype_bytes
+    wide = 2 * f if shape.swiglu else f
+    return s * b * h * e + (wide + f) * h * 4 + s / chunks * b * (2 * wide + 4 * f) * e
 
 
 def chunked_loss_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> float:

@@ -218,13 +218,20 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
                 acts, transient = in_flight[r] * units * per_input, redo * per_layer
             else:
                 acts, transient = in_flight[r] * k * per_layer, 0.0
-            transient += memory.long_context_norm_scratch_bytes(s, act_opts)
+                if r > 0 and not spec.is_weipipe:
+                    acts += in_flight[r] * per_input  # megatron-core keeps each received input tensor
+            scratch = memory.long_context_norm_scratch_bytes(s, act_opts)
+            if fp is not None:
+                scratch = max(scratch, memory.chunked_mlp_scratch_bytes(s, act_opts, spec.fpdt.mlp_num_chunks(s.seq_length)))
+            transient += scratch
             if spec.is_weipipe or r == lay.pp - 1:
                 transient = max(transient, logits)  # the loss's backward runs before any layer's
             if fp is not None and spec.fpdt.offload:
                 # one HostBufferPool per attention module, as large as the most forward/backward
                 # pairs it had open at once (one under recomputation: the first forward keeps nothing)
-                host = fp.pool_bytes_per_layer * (spec.rank_layers(r) if spec.recompute else in_flight[r] * k)
+                forward = fp.pool_bytes_per_layer - fp.pool_backward_bytes
+                host = (fp.pool_bytes_per_layer * spec.rank_layers(r) if spec.recompute else
+                        forward * in_flight[r] * k + fp.pool_backward_bytes * spec.rank_layers(r))
                 chunk_state = fp.resident_chunk_bytes
         elif spec.recompute:
             # Megatron checkpoints every layer (uniform, one layer per unit) and recomputes one
