@@ -165,6 +165,8 @@ def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ..
                 coll += s.word_embedding_params(lay.tp) * 4
             if r == P - 1:
                 coll += ce * spec.num_microbatches
+        if spec.distributed_optimizer:
+            coll += spec.rank_params(r) * spec.compute_bytes // (lay.dp * lay.cp)  # all-gather: this rank's shard
         if lay.cp > 1:
             # Ulysses / FPDT all-to-alls, payload as counted (the whole send buffer): per layer
             # and microbatch q|k|v out and o back in the forward, do out and dq|dk|dv back in
