@@ -145,13 +145,17 @@ def chunked_mlp_scratch_bytes(shape: ModelShape, o: ActivationOptions, chunks: i
 
 
 def chunked_loss_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> float:
-    """FPDT's chunked cross entropy, rank holding the loss, at its backward: saved final-norm
-    output and fp32 log-sum-exp, the input gradient (s x h), the fp32 weight-gradient
-    accumulator (V x h), and of one chunk of c = s/chunks tokens the fp32 probabilities,
-    their product with the loss gradient and its bf16 cast (10 bytes per token and vocab)."""
+    """FPDT's chunked cross entropy (fpdt/loss.py) on the rank holding the loss: what the
+    final norm saved (as a layer's norm), its output and the fp32 log-sum-exp, plus the larger of its forward (one chunk of
+    c = s/chunks tokens: fp32 logits z, z - max and its exp, 12 bytes per token and vocab
+    entry) and its backward (input gradient s x h, fp32 weight-gradient accumulator V x h,
+    and of one chunk the fp32 probabilities, their product with the loss gradient and its
+    cast: 8 + e bytes per token and vocabulary entry)."""
     b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
     v, e = shape.padded_vocab(o.tp) / o.tp, o.dtype_bytes
-    return s * b * (2 * h * e + 4) + v * h * 4 + s / chunks * b * v * (8 + e)
+    chunk = s / chunks * b * v
+    final_norm = 8 * h + 4 if shape.normalization == "RMSNorm" else 8  # saved as in a layer's norms
+    return s * b * (h * e + 4 + final_norm) + max(12 * chunk, s * b * h * e + v * h * 4 + (8 + e) * chunk)
 
 
 # ---------------------------------------------------------------- read off the lists
