@@ -62,7 +62,7 @@ def test_estimator_within_ten_percent_of_the_dry_run_per_category():
     from simulator_validation.dry_run_vs_estimator import CATEGORIES, case_flags, compare, run_case
 
     bad = []
-    for schedule, mode in (("none", "offload"), ("none", "ulysses"), ("weipipe-zb", "off")):
+    for schedule, mode in (("none", "offload"), ("1f1b", "ulysses"), ("1f1b", "off")):
         flags, world, rank = case_flags("small", schedule, mode)
         rows = compare(run_case(flags, world, rank, timeout=300))
         bad += [(schedule, mode, c, rows[c]) for c in CATEGORIES if abs(rows[c][2]) > 0.10]

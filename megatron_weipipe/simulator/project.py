@@ -247,7 +247,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         if long_mode is None:
             transient += memory.attention_scratch_bytes(s, act_opts)
             if spec.is_weipipe or r == lay.pp - 1:
-                transient += logits
+                transient = max(transient, logits)  # the loss's backward ends before a layer's starts
         buf = 0.0
         if buffers is not None:
             b = buffers[r]
