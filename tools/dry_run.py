@@ -63,6 +63,7 @@ class Ledger:
         self._last = None
         self.explain = False  # --explain: remember shapes, list the largest storages at the peak
         self.at_peak: list = []
+        self.at_activation_peak: list = []
 
     @contextlib.contextmanager
     def scope(self, role: str):
@@ -113,16 +114,27 @@ class Ledger:
             self.by_role[role] += entry[1]
         self._check()
 
+    def reset_peaks(self) -> None:
+        """Peaks from here on: the measured iteration, not the model's construction (whose
+        parameters and buffers count as activations until they are assigned their roles)."""
+        self.peak = sum(v for k, v in self.by_role.items() if k != "host")
+        self.peak_roles, self.role_peaks = dict(self.by_role), dict(self.by_role)
+        self.host_peak = self.by_role["host"]
+        self._last = None
+        self.at_peak = self.at_activation_peak = []
+
     def _check(self) -> None:
         device = sum(v for k, v in self.by_role.items() if k != "host")
         if device > self.peak:
             self.peak, self.peak_roles = device, dict(self.by_role)
             if self.explain:
-                self.at_peak = [e for e in self.live.values() if e[0] != "host"]
+                self.at_peak = [list(e) for e in self.live.values() if e[0] != "host"]
         self.host_peak = max(self.host_peak, self.by_role["host"])
         for k, v in self.by_role.items():
             if v > self.role_peaks[k]:
                 self.role_peaks[k] = v
+                if self.explain and k == "activations":
+                    self.at_activation_peak = [list(e) for e in self.live.values() if e[0] == k]
 
 
 def _tracking_mode(ledger: Ledger):
@@ -319,6 +331,7 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local", explain:
         ctx.bytes.reset()
         schedule.zero_grad()
         optimizer.zero_grad()
+        ledger.reset_peaks()
         schedule.forward_backward(pretrain_gpt_forward_step(), batches)
         ledger.assign([p.grad for p in params], "gradients")
         with ledger.scope("optimizer_state"):
@@ -337,14 +350,16 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local", explain:
 
 def _explain(ledger: Ledger) -> None:
     """--explain: the storages live at the accelerator peak, grouped by role, shape, dtype."""
-    groups: dict = {}
-    for role, n, _ref, (shape, dtype) in ledger.at_peak:
-        g = groups.setdefault((role, shape, dtype), [0, 0])
-        g[0] += 1
-        g[1] += n
-    print(f"live at the accelerator peak ({ledger.peak} bytes):", file=sys.stderr)
-    for (role, shape, dtype), (count, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:40]:
-        print(f"  {n:>16} {count:>5} x {role:<22} {dtype:<9} {list(shape)}", file=sys.stderr)
+    for title, entries in (("the accelerator peak", ledger.at_peak),
+                           ("the activations' own peak", ledger.at_activation_peak)):
+        groups: dict = {}
+        for role, n, _ref, (shape, dtype) in entries:
+            g = groups.setdefault((role, shape, dtype), [0, 0])
+            g[0] += 1
+            g[1] += n
+        print(f"live at {title} ({sum(g[1] for g in groups.values())} bytes):", file=sys.stderr)
+        for (role, shape, dtype), (count, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:30]:
+            print(f"  {n:>16} {count:>5} x {role:<22} {dtype:<9} {list(shape)}", file=sys.stderr)
 
 
 def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
