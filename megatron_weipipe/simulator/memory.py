@@ -178,6 +178,26 @@ def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[in
     return tuple(out)
 
 
+def pool_sets(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ...]:
+    """Per rank, the sum over its model chunks of the most microbatches each chunk had in
+    flight at once: how many forward sets per-module pools (FPDT's host pools) keep, as
+    each pool stays at its own peak."""
+    out = []
+    for acts in schedule.ranks:
+        live: dict = {}
+        peak: dict = {}
+        split = not freed_at_input and any(a.kind is Kind.BACKWARD_WEIGHT for a in acts)
+        for a in acts:
+            if a.kind is Kind.FORWARD:
+                live.setdefault(a.chunk, set()).add(a.mb)
+                peak[a.chunk] = max(peak.get(a.chunk, 0), len(live[a.chunk]))
+            elif a.kind is Kind.BACKWARD or (a.kind is Kind.BACKWARD_WEIGHT if split
+                                                else a.kind is Kind.BACKWARD_INPUT):
+                live.get(a.chunk, set()).discard(a.mb)
+        out.append(sum(peak.values()))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class BufferPeak:
     weights: int  # chunk-sized tensors in the compute dtype

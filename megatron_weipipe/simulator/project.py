@@ -197,6 +197,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     per_layer = memory.layer_activation_bytes(s, act_opts)
     per_input = memory.layer_input_bytes(s, act_opts)
     in_flight = memory.peak_in_flight(schedule, freed_at_input=spec.weight_pass == "stored")
+    pools = memory.pool_sets(schedule, freed_at_input=spec.weight_pass == "stored")
     buffers = memory.peak_buffers(schedule, spec.lookahead) if spec.is_weipipe else None
     chunk = spec.chunk_params()
     logits = memory.logits_bytes(s, lay.tp, lay.cp)
@@ -232,8 +233,9 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
                 # one HostBufferPool per attention module, as large as the most forward/backward
                 # pairs it had open at once (one under recomputation: the first forward keeps nothing)
                 forward = fp.pool_bytes_per_layer - fp.pool_backward_bytes
+                sets = in_flight[r] if spec.is_weipipe else pools[r]  # WeiPipe: one chunk's modules serve all
                 host = (fp.pool_bytes_per_layer * spec.rank_layers(r) if spec.recompute else
-                        forward * in_flight[r] * k + fp.pool_backward_bytes * spec.rank_layers(r))
+                        forward * sets * k + fp.pool_backward_bytes * spec.rank_layers(r))
                 chunk_state = fp.resident_chunk_bytes
         elif spec.recompute:
             # Megatron checkpoints every layer (uniform, one layer per unit) and recomputes one
