@@ -134,6 +134,16 @@ def long_context_norm_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> 
     return 4 * 4 * shape.micro_batch_size * shape.seq_length / o.cp * shape.hidden_size
 
 
+def unchunked_loss_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+    """megatron-core's loss on the long-context path without FPDT (Ulysses), at its peak:
+    the output layer's logits in the compute dtype and the cross entropy's fp32 copy
+    (s x V each), beside what the final norm saved (as a layer's norm) and its output."""
+    b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
+    v, e = shape.padded_vocab(o.tp) / o.tp, o.dtype_bytes
+    final_norm = 8 * h + 4 if shape.normalization == "RMSNorm" else 8
+    return s * b * (v * (e + 4) + final_norm + h * e)
+
+
 def chunked_mlp_scratch_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> float:
     """FPDT's chunked MLP backward (fpdt/mlp.py): the input gradient (s x h), the fp32
     weight-gradient accumulators (fc1 and fc2), and of one chunk of s/chunks tokens the

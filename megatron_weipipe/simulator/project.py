@@ -210,6 +210,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         per_layer = memory.long_context_layer_bytes(s, act_opts, long_mode)
         if fp is not None:
             logits = memory.chunked_loss_bytes(s, act_opts, spec.fpdt.loss_num_chunks(s.seq_length))
+        else:
+            logits = memory.unchunked_loss_bytes(s, act_opts)
     out = []
     for r in range(lay.pp):
         params = spec.rank_params(r)
