@@ -208,9 +208,9 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         long_mode = "ulysses"
     if long_mode is not None:
         per_layer = memory.long_context_layer_bytes(s, act_opts, long_mode)
-        if fp is not None:
+        if fp is not None and not spec.is_weipipe:
             logits = memory.chunked_loss_bytes(s, act_opts, spec.fpdt.loss_num_chunks(s.seq_length))
-        else:
+        else:  # Ulysses; and WeiPipe's ring model computes megatron-core's loss, unchunked, under FPDT too
             logits = memory.unchunked_loss_bytes(s, act_opts)
     out = []
     for r in range(lay.pp):
