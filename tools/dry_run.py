@@ -13,8 +13,8 @@ release; the peak of the live bytes that would sit on the accelerator is reporte
 role: parameters, gradients (main grads and .grad), optimizer state (fp32 master copies
 and Adam moments), communication buffers (WeiPipe's circulating weight / gradient
 tokens and their receive buffers), FPDT chunk state brought to the device, and
-activations (everything else). FPDT's host buffers and those of --offload-layer-inputs
-are counted as host bytes.
+activations (everything else). Host bytes are the storages offload code marks with
+megatron_weipipe.residency.host_buffer (FPDT's host buffer pools, layer-input offload).
 Sent bytes are the byte counter's exact point-to-point and collective payloads.
 Data are synthetic tokens of the configured shape (no corpus is read). A value read
 back to Python (.item(): finiteness checks, loss reporting) reads 1 / True; the
@@ -60,6 +60,10 @@ class Ledger:
         self.peak_roles = dict(self.by_role)
         self.host_peak = 0
         self.role_peaks = dict(self.by_role)
+        self._last = None
+        self.explain = False  # --explain: remember shapes, list the largest storages at the peak
+        self.at_peak: list = []
+        self.at_activation_peak: list = []
 
     @contextlib.contextmanager
     def scope(self, role: str):
@@ -78,8 +82,19 @@ class Ledger:
         role = self.scopes[-1] if self.scopes else "activations"
         n = int(st.nbytes())
         self.live[key] = [role, n, weakref.ref(st, lambda _r, k=key: self._free(k))]
+        if self.explain:
+            self.live[key].append((tuple(t.shape), str(t.dtype)[6:]))
+        self._last = (key, self.peak, dict(self.peak_roles), dict(self.role_peaks))
         self.by_role[role] += n
         self._check()
+
+    def to_host(self, t) -> None:
+        """residency.host_buffer's observer: the storage just made is host memory (its
+        allocation, noted a moment ago as accelerator bytes, does not count at the peak)."""
+        key = id(t.untyped_storage())
+        if self._last is not None and self._last[0] == key:
+            _, self.peak, self.peak_roles, self.role_peaks = self._last
+        self.assign([t], "host")
 
     def _free(self, key) -> None:
         entry = self.live.pop(key, None)
@@ -109,14 +124,27 @@ class Ledger:
             self.by_role[role] += entry[1]
         self._check()
 
+    def reset_peaks(self) -> None:
+        """Peaks from here on: the measured iteration, not the model's construction (whose
+        parameters and buffers count as activations until they are assigned their roles)."""
+        self.peak = sum(v for k, v in self.by_role.items() if k != "host")
+        self.peak_roles, self.role_peaks = dict(self.by_role), dict(self.by_role)
+        self.host_peak = self.by_role["host"]
+        self._last = None
+        self.at_peak = self.at_activation_peak = []
+
     def _check(self) -> None:
         device = sum(v for k, v in self.by_role.items() if k != "host")
         if device > self.peak:
             self.peak, self.peak_roles = device, dict(self.by_role)
+            if self.explain:
+                self.at_peak = [list(e) for e in self.live.values() if e[0] != "host"]
         self.host_peak = max(self.host_peak, self.by_role["host"])
         for k, v in self.by_role.items():
             if v > self.role_peaks[k]:
                 self.role_peaks[k] = v
+                if self.explain and k == "activations":
+                    self.at_activation_peak = [list(e) for e in self.live.values() if e[0] == k]
 
 
 def _tracking_mode(ledger: Ledger):
@@ -206,7 +234,6 @@ def _patch_scopes(ledger: Ledger):
     ring._IterationState.__init__ = state_init
     for name in ("prefetch", "get"):  # a store says what its device copies are (layer inputs: activations)
         scoped(offload.ChunkStore, name, lambda store: store.role)
-    scoped(offload.HostBufferPool, "take", "host")
 
 
 def _local_object_collectives(dist) -> None:
@@ -274,7 +301,7 @@ def _synthetic_batches(cfg, n: int, vocab: int):
     return out
 
 
-def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
+def dry_run(argv, world_size: int, rank: int, attention: str = "local", explain: bool = False) -> dict:
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), str(rank)
     os.environ.setdefault("LOCAL_RANK", "0")
     from megatron_weipipe.arguments import parse_config
@@ -308,11 +335,14 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
         _flash_attention()
     ctx = initialize_distributed(cfg)
     ledger = Ledger()
+    ledger.explain = explain
     _patch_scopes(ledger)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ctx.groups.tp_size)
     started = time.time()
-    with FakeTensorMode(allow_non_fake_inputs=True), _tracking_mode(ledger):
+    from megatron_weipipe import residency
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _tracking_mode(ledger), residency.observing(ledger.to_host):
         schedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
         chunks = schedule.build_model(partial(pretrain_gpt.model_provider, cfg, vocab))
         params = [p for m in chunks for p in m.parameters()]
@@ -330,18 +360,35 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
         ctx.bytes.reset()
         schedule.zero_grad()
         optimizer.zero_grad()
+        ledger.reset_peaks()
         schedule.forward_backward(pretrain_gpt_forward_step(), batches)
         ledger.assign([p.grad for p in params], "gradients")
         with ledger.scope("optimizer_state"):
             optimizer.prepare_grads()
             optimizer.step_with_ready_grads()
     sent = sum(ctx.bytes.sent.values())
+    if explain:
+        _explain(ledger)
     estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size, attention)
     roles = {c: int(ledger.peak_roles[c]) for c in CATEGORIES}
     return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name,
             "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
             "sent_bytes": int(sent), "categories": roles, "seconds": round(time.time() - started, 1),
             "category_peaks": {c: int(ledger.role_peaks[c]) for c in CATEGORIES}, "estimator": estimated}
+
+
+def _explain(ledger: Ledger) -> None:
+    """--explain: the storages live at the accelerator peak, grouped by role, shape, dtype."""
+    for title, entries in (("the accelerator peak", ledger.at_peak),
+                           ("the activations' own peak", ledger.at_activation_peak)):
+        groups: dict = {}
+        for role, n, _ref, (shape, dtype) in entries:
+            g = groups.setdefault((role, shape, dtype), [0, 0])
+            g[0] += 1
+            g[1] += n
+        print(f"live at {title} ({sum(g[1] for g in groups.values())} bytes):", file=sys.stderr)
+        for (role, shape, dtype), (count, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:30]:
+            print(f"  {n:>16} {count:>5} x {role:<22} {dtype:<9} {list(shape)}", file=sys.stderr)
 
 
 def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
@@ -372,11 +419,11 @@ def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
         "optimizer_state": mem.params * state.optimizer / state.optimizer_shards,
         "activations": mem.activations + mem.transient,
         "communication_buffers": mem.buffers,
-        "fpdt_chunk_state": 0,
+        "fpdt_chunk_state": mem.chunk_state,
     }
     roles = {k: int(v) for k, v in roles.items()}
-    return {"peak_accelerator_bytes": int(mem.total), "categories": roles,
-            "host_bytes": int(fp.host_bytes_per_rank) if fp is not None else 0,
+    return {"peak_accelerator_bytes": int(mem.total + mem.chunk_state), "categories": roles,
+            "host_bytes": int(mem.host),
             "sent_bytes": int(sum(counter_bytes(spec, schedule)[pp_rank].values()))}
 
 
@@ -397,6 +444,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--attention", choices=("local", "flash"), default="local")
+    ap.add_argument("--explain", action="store_true")
     own, rest = ap.parse_known_args(argv)
     if own.world_size < 1 or not 0 <= own.rank < own.world_size:
         print(f"dry_run: --rank must be in 0..{own.world_size - 1} and --world-size >= 1", file=sys.stderr)
@@ -405,7 +453,7 @@ def main(argv=None) -> int:
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the program's own prints stay off stdout
-            out = dry_run(rest, own.world_size, own.rank, own.attention)
+            out = dry_run(rest, own.world_size, own.rank, own.attention, own.explain)
     except ConfigError as e:
         print(f"dry_run: {e}", file=sys.stderr)
         return 2
