@@ -24,8 +24,10 @@ With --json, stdout holds one JSON object: peak_accelerator_bytes, host_bytes,
 sent_bytes (integers), categories (role -> bytes at the peak), category_peaks (each
 role's own peak, what the estimator gives per role) and estimator (the
 simulator's memory estimator and byte model for the same run, same keys). Bad flags
-exit 2. `--attention flash` runs megatron-core's core attention through torch's fused
-kernel (what a GPU keeps: no s x s probabilities); default: the layers as built here.
+exit 2. The core attention is the model's own (`--attention-backend`; on this CPU host
+`auto` is torch's fused kernel, which keeps no s x s probabilities, as flash attention on a
+GPU; `unfused` keeps them). `--attention flash|local` is shorthand for
+`--attention-backend flash|unfused`.
 """
 
 from __future__ import annotations
@@ -272,23 +274,6 @@ def _quiet_rng() -> None:
     mr.CudaRNGStatesTracker.fork = fork
 
 
-def _flash_attention() -> None:
-    """--attention flash: megatron-core's core attention through torch's fused SDPA kernel,
-    which saves the output and a log-sum-exp per query instead of the s x s probabilities
-    (what TE / flash attention keep on a GPU). Causal, no dropout, as FPDT-style runs."""
-    import torch
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                               enable_gqa=k.size(1) != q.size(1))
-        return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), -1)
-
-    DotProductAttention.forward = forward
-
-
 def _synthetic_batches(cfg, n: int, vocab: int):
     import torch
 
@@ -301,7 +286,7 @@ def _synthetic_batches(cfg, n: int, vocab: int):
     return out
 
 
-def dry_run(argv, world_size: int, rank: int, attention: str = "local", explain: bool = False) -> dict:
+def dry_run(argv, world_size: int, rank: int, explain: bool = False) -> dict:
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), str(rank)
     os.environ.setdefault("LOCAL_RANK", "0")
     from megatron_weipipe.arguments import parse_config
@@ -331,8 +316,6 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local", explain:
 
     torch.utils.swap_tensors = swap_or_set
     _quiet_rng()
-    if attention == "flash":
-        _flash_attention()
     ctx = initialize_distributed(cfg)
     ledger = Ledger()
     ledger.explain = explain
@@ -369,7 +352,7 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local", explain:
     sent = sum(ctx.bytes.sent.values())
     if explain:
         _explain(ledger)
-    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size, attention)
+    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size)
     roles = {c: int(ledger.peak_roles[c]) for c in CATEGORIES}
     return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name,
             "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
@@ -391,9 +374,10 @@ def _explain(ledger: Ledger) -> None:
             print(f"  {n:>16} {count:>5} x {role:<22} {dtype:<9} {list(shape)}", file=sys.stderr)
 
 
-def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
+def estimate(cfg, pp_rank: int, vocab: int) -> dict:
     """The simulator's memory estimator and byte model for the same run and pipeline rank,
-    in the dry run's roles (megatron-core's local layers: unfused attention)."""
+    in the dry run's roles (megatron-core's local layers, with the core attention the
+    platform resolves --attention-backend to)."""
     from megatron_weipipe.simulator import memory
     from megatron_weipipe.simulator.fpdt import analyse
     from megatron_weipipe.simulator.hardware import HOST_LINKS, Cluster, device_preset, link_preset
@@ -401,7 +385,10 @@ def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
     from megatron_weipipe.simulator.run_spec import spec_from_config
 
     cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
-    spec = spec_from_config(cfg, attention_impl="unfused+flash" if attention == "flash" else "unfused")
+    from megatron_weipipe.platform import Platform
+
+    fused = Platform("cpu", "gloo").attention_backend(cfg.model.attention_backend) in ("flash", "fused")
+    spec = spec_from_config(cfg, attention_impl="unfused+flash" if fused else "unfused")
     schedule = spec.build_schedule()
     fp = None
     if spec.fpdt is not None:
@@ -443,9 +430,11 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--attention", choices=("local", "flash"), default="local")
+    ap.add_argument("--attention", choices=("local", "flash"), default=None)
     ap.add_argument("--explain", action="store_true")
     own, rest = ap.parse_known_args(argv)
+    if own.attention is not None:
+        rest += ["--attention-backend", "flash" if own.attention == "flash" else "unfused"]
     if own.world_size < 1 or not 0 <= own.rank < own.world_size:
         print(f"dry_run: --rank must be in 0..{own.world_size - 1} and --world-size >= 1", file=sys.stderr)
         return 2
@@ -453,7 +442,7 @@ def main(argv=None) -> int:
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the program's own prints stay off stdout
-            out = dry_run(rest, own.world_size, own.rank, own.attention, own.explain)
+            out = dry_run(rest, own.world_size, own.rank, own.explain)
     except ConfigError as e:
         print(f"dry_run: {e}", file=sys.stderr)
         return 2
