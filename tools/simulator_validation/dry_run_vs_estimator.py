@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fpdt", default=",".join(FPDT_MODES))
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "flash", "fused", "unfused", "local"),
+                    help="the model's core attention (auto: torch's fused kernel on this host; unfused: s x s)")
     a = ap.parse_args(argv)
     cases, worst = [], 0.0
     print("| scale | schedule | FPDT | " + " | ".join(CATEGORIES) + " | wall s |")
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
         for schedule in a.schedule.split(","):
             for fpdt in a.fpdt.split(","):
                 flags, world, rank = case_flags(scale, schedule, fpdt)
+                flags = flags + ["--attention-backend", a.attention_backend]
                 out = run_case(flags, world, rank)
                 rows = compare(out)
                 cases.append({"scale": scale, "schedule": schedule, "fpdt": fpdt, "world_size": world, "rank": rank,
