@@ -134,6 +134,7 @@ class ByteCounter:
                     counter.add_received(kind, size)
                 return fn(*args, **kwargs)
 
+            inner._counted = True
             return inner
 
         for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -142,6 +143,16 @@ class ByteCounter:
                 arg = 1 if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
                                     "all_gather", "reduce_scatter") else 0
                 setattr(dist, name, wrap_collective(getattr(dist, name), arg))
+        # megatron-core binds its distributed optimizer's reduce-scatter and all-gather at
+        # import, past the wrappers above (counted here unless they are already wrapped)
+        try:
+            from megatron.core.distributed import param_and_grad_buffer as pgb
+        except ImportError:
+            return
+        for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
+            fn = getattr(pgb, name, None)
+            if fn is not None and not getattr(fn, "_counted", False):
+                setattr(pgb, name, wrap_collective(fn, 1))
 
 
 _PROCESS_COUNTER = ByteCounter()

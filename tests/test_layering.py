@@ -194,7 +194,8 @@ LAYERS = (
     ("model", ("model",)),
     ("kernels and data", ("fpdt", "data")),
     ("configuration", ("config", "data.config", "fpdt.config", "megatron_compat", "shape", "flags", "errors")),
-    ("services", ("platform", "parallel", "byte_counter", "faults", "context", "lazy", "mcore_versions")),
+    ("services", ("platform", "parallel", "byte_counter", "faults", "context", "lazy", "residency",
+                  "mcore_versions")),
 )
 
 

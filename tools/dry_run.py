@@ -13,8 +13,8 @@ release; the peak of the live bytes that would sit on the accelerator is reporte
 role: parameters, gradients (main grads and .grad), optimizer state (fp32 master copies
 and Adam moments), communication buffers (WeiPipe's circulating weight / gradient
 tokens and their receive buffers), FPDT chunk state brought to the device, and
-activations (everything else). FPDT's host buffers and those of --offload-layer-inputs
-are counted as host bytes.
+activations (everything else). Host bytes are the storages offload code marks with
+megatron_weipipe.residency.host_buffer (FPDT's host buffer pools, layer-input offload).
 Sent bytes are the byte counter's exact point-to-point and collective payloads.
 Data are synthetic tokens of the configured shape (no corpus is read). A value read
 back to Python (.item(): finiteness checks, loss reporting) reads 1 / True; the
@@ -24,8 +24,10 @@ With --json, stdout holds one JSON object: peak_accelerator_bytes, host_bytes,
 sent_bytes (integers), categories (role -> bytes at the peak), category_peaks (each
 role's own peak, what the estimator gives per role) and estimator (the
 simulator's memory estimator and byte model for the same run, same keys). Bad flags
-exit 2. `--attention flash` runs megatron-core's core attention through torch's fused
-kernel (what a GPU keeps: no s x s probabilities); default: the layers as built here.
+exit 2. The core attention is the model's own (`--attention-backend`; on this CPU host
+`auto` is torch's fused kernel, which keeps no s x s probabilities, as flash attention on a
+GPU; `unfused` keeps them). `--attention flash|local` is shorthand for
+`--attention-backend flash|unfused`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class Ledger:
         self.peak_roles = dict(self.by_role)
         self.host_peak = 0
         self.role_peaks = dict(self.by_role)
+        self._last = None
+        self.explain = False  # --explain: remember shapes, list the largest storages at the peak
+        self.at_peak: list = []
+        self.at_activation_peak: list = []
 
     @contextlib.contextmanager
     def scope(self, role: str):
@@ -78,8 +84,19 @@ class Ledger:
         role = self.scopes[-1] if self.scopes else "activations"
         n = int(st.nbytes())
         self.live[key] = [role, n, weakref.ref(st, lambda _r, k=key: self._free(k))]
+        if self.explain:
+            self.live[key].append((tuple(t.shape), str(t.dtype)[6:]))
+        self._last = (key, self.peak, dict(self.peak_roles), dict(self.role_peaks))
         self.by_role[role] += n
         self._check()
+
+    def to_host(self, t) -> None:
+        """residency.host_buffer's observer: the storage just made is host memory (its
+        allocation, noted a moment ago as accelerator bytes, does not count at the peak)."""
+        key = id(t.untyped_storage())
+        if self._last is not None and self._last[0] == key:
+            _, self.peak, self.peak_roles, self.role_peaks = self._last
+        self.assign([t], "host")
 
     def _free(self, key) -> None:
         entry = self.live.pop(key, None)
@@ -109,14 +126,27 @@ class Ledger:
             self.by_role[role] += entry[1]
         self._check()
 
+    def reset_peaks(self) -> None:
+        """Peaks from here on: the measured iteration, not the model's construction (whose
+        parameters and buffers count as activations until they are assigned their roles)."""
+        self.peak = sum(v for k, v in self.by_role.items() if k != "host")
+        self.peak_roles, self.role_peaks = dict(self.by_role), dict(self.by_role)
+        self.host_peak = self.by_role["host"]
+        self._last = None
+        self.at_peak = self.at_activation_peak = []
+
     def _check(self) -> None:
         device = sum(v for k, v in self.by_role.items() if k != "host")
         if device > self.peak:
             self.peak, self.peak_roles = device, dict(self.by_role)
+            if self.explain:
+                self.at_peak = [list(e) for e in self.live.values() if e[0] != "host"]
         self.host_peak = max(self.host_peak, self.by_role["host"])
         for k, v in self.by_role.items():
             if v > self.role_peaks[k]:
                 self.role_peaks[k] = v
+                if self.explain and k == "activations":
+                    self.at_activation_peak = [list(e) for e in self.live.values() if e[0] == k]
 
 
 def _tracking_mode(ledger: Ledger):
@@ -206,7 +236,6 @@ def _patch_scopes(ledger: Ledger):
     ring._IterationState.__init__ = state_init
     for name in ("prefetch", "get"):  # a store says what its device copies are (layer inputs: activations)
         scoped(offload.ChunkStore, name, lambda store: store.role)
-    scoped(offload.HostBufferPool, "take", "host")
 
 
 def _local_object_collectives(dist) -> None:
@@ -245,23 +274,6 @@ def _quiet_rng() -> None:
     mr.CudaRNGStatesTracker.fork = fork
 
 
-def _flash_attention() -> None:
-    """--attention flash: megatron-core's core attention through torch's fused SDPA kernel,
-    which saves the output and a log-sum-exp per query instead of the s x s probabilities
-    (what TE / flash attention keep on a GPU). Causal, no dropout, as FPDT-style runs."""
-    import torch
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                               enable_gqa=k.size(1) != q.size(1))
-        return out.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), -1)
-
-    DotProductAttention.forward = forward
-
-
 def _synthetic_batches(cfg, n: int, vocab: int):
     import torch
 
@@ -274,7 +286,7 @@ def _synthetic_batches(cfg, n: int, vocab: int):
     return out
 
 
-def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
+def dry_run(argv, world_size: int, rank: int, explain: bool = False) -> dict:
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), str(rank)
     os.environ.setdefault("LOCAL_RANK", "0")
     from megatron_weipipe.arguments import parse_config
@@ -304,15 +316,16 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
 
     torch.utils.swap_tensors = swap_or_set
     _quiet_rng()
-    if attention == "flash":
-        _flash_attention()
     ctx = initialize_distributed(cfg)
     ledger = Ledger()
+    ledger.explain = explain
     _patch_scopes(ledger)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ctx.groups.tp_size)
     started = time.time()
-    with FakeTensorMode(allow_non_fake_inputs=True), _tracking_mode(ledger):
+    from megatron_weipipe import residency
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _tracking_mode(ledger), residency.observing(ledger.to_host):
         schedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
         chunks = schedule.build_model(partial(pretrain_gpt.model_provider, cfg, vocab))
         params = [p for m in chunks for p in m.parameters()]
@@ -330,13 +343,16 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
         ctx.bytes.reset()
         schedule.zero_grad()
         optimizer.zero_grad()
+        ledger.reset_peaks()
         schedule.forward_backward(pretrain_gpt_forward_step(), batches)
         ledger.assign([p.grad for p in params], "gradients")
         with ledger.scope("optimizer_state"):
             optimizer.prepare_grads()
             optimizer.step_with_ready_grads()
     sent = sum(ctx.bytes.sent.values())
-    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size, attention)
+    if explain:
+        _explain(ledger)
+    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size)
     roles = {c: int(ledger.peak_roles[c]) for c in CATEGORIES}
     return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name,
             "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
@@ -344,9 +360,24 @@ def dry_run(argv, world_size: int, rank: int, attention: str = "local") -> dict:
             "category_peaks": {c: int(ledger.role_peaks[c]) for c in CATEGORIES}, "estimator": estimated}
 
 
-def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
+def _explain(ledger: Ledger) -> None:
+    """--explain: the storages live at the accelerator peak, grouped by role, shape, dtype."""
+    for title, entries in (("the accelerator peak", ledger.at_peak),
+                           ("the activations' own peak", ledger.at_activation_peak)):
+        groups: dict = {}
+        for role, n, _ref, (shape, dtype) in entries:
+            g = groups.setdefault((role, shape, dtype), [0, 0])
+            g[0] += 1
+            g[1] += n
+        print(f"live at {title} ({sum(g[1] for g in groups.values())} bytes):", file=sys.stderr)
+        for (role, shape, dtype), (count, n) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:30]:
+            print(f"  {n:>16} {count:>5} x {role:<22} {dtype:<9} {list(shape)}", file=sys.stderr)
+
+
+def estimate(cfg, pp_rank: int, vocab: int) -> dict:
     """The simulator's memory estimator and byte model for the same run and pipeline rank,
-    in the dry run's roles (megatron-core's local layers: unfused attention)."""
+    in the dry run's roles (megatron-core's local layers, with the core attention the
+    platform resolves --attention-backend to)."""
     from megatron_weipipe.simulator import memory
     from megatron_weipipe.simulator.fpdt import analyse
     from megatron_weipipe.simulator.hardware import HOST_LINKS, Cluster, device_preset, link_preset
@@ -354,7 +385,10 @@ def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
     from megatron_weipipe.simulator.run_spec import spec_from_config
 
     cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
-    spec = spec_from_config(cfg, attention_impl="unfused+flash" if attention == "flash" else "unfused")
+    from megatron_weipipe.platform import Platform
+
+    fused = Platform("cpu", "gloo").attention_backend(cfg.model.attention_backend) in ("flash", "fused")
+    spec = spec_from_config(cfg, attention_impl="unfused+flash" if fused else "unfused")
     schedule = spec.build_schedule()
     fp = None
     if spec.fpdt is not None:
@@ -372,11 +406,11 @@ def estimate(cfg, pp_rank: int, vocab: int, attention: str = "local") -> dict:
         "optimizer_state": mem.params * state.optimizer / state.optimizer_shards,
         "activations": mem.activations + mem.transient,
         "communication_buffers": mem.buffers,
-        "fpdt_chunk_state": 0,
+        "fpdt_chunk_state": mem.chunk_state,
     }
     roles = {k: int(v) for k, v in roles.items()}
-    return {"peak_accelerator_bytes": int(mem.total), "categories": roles,
-            "host_bytes": int(fp.host_bytes_per_rank) if fp is not None else 0,
+    return {"peak_accelerator_bytes": int(mem.total + mem.chunk_state), "categories": roles,
+            "host_bytes": int(mem.host),
             "sent_bytes": int(sum(counter_bytes(spec, schedule)[pp_rank].values()))}
 
 
@@ -396,8 +430,11 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--attention", choices=("local", "flash"), default="local")
+    ap.add_argument("--attention", choices=("local", "flash"), default=None)
+    ap.add_argument("--explain", action="store_true")
     own, rest = ap.parse_known_args(argv)
+    if own.attention is not None:
+        rest += ["--attention-backend", "flash" if own.attention == "flash" else "unfused"]
     if own.world_size < 1 or not 0 <= own.rank < own.world_size:
         print(f"dry_run: --rank must be in 0..{own.world_size - 1} and --world-size >= 1", file=sys.stderr)
         return 2
@@ -405,7 +442,7 @@ def main(argv=None) -> int:
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the program's own prints stay off stdout
-            out = dry_run(rest, own.world_size, own.rank, own.attention)
+            out = dry_run(rest, own.world_size, own.rank, own.explain)
     except ConfigError as e:
         print(f"dry_run: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_weipipe.residency import host_buffer
+
 
 @dataclass
 class OffloadStats:
@@ -63,7 +65,7 @@ class HostBufferPool:
         if self._free[key]:
             return self._free[key].pop()
         self.allocations += 1
-        buf = torch.empty(key[0], dtype=dtype, device="cpu", pin_memory=self.pin_memory)
+        buf = host_buffer(torch.empty(key[0], dtype=dtype, device="cpu", pin_memory=self.pin_memory))
         self.allocated_bytes += buf.numel() * buf.element_size()
         return buf
 

@@ -48,6 +48,9 @@ class FPDTReport:
     backward_block_compute_s: float
     backward_block_fetch_s: float  # q, o, lse, do, dq of one chunk, both ways
     exposed_s_per_layer: float  # fetch time not hidden behind compute, forward + backward
+    pool_bytes_per_layer: float = 0.0  # one layer's HostBufferPool after one forward/backward pair
+    pool_backward_bytes: float = 0.0  # ... of which the backward's own (do, dq): one set, reused
+    resident_chunk_bytes: float = 0.0  # chunks prefetched back to the device at once (offload)
 
     @property
     def prefetch_hidden(self) -> bool:
@@ -85,12 +88,42 @@ def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp:
     bwd_fetch = (C * b * a * d * e * 3 + C * b * a * 4 + C * b * a * d * 4 * 2) / bw if spec.offload else 0.0
     blocks = u * (u + 1) / 2
     exposed = blocks * (max(0.0, block_fetch - block_compute) + max(0.0, bwd_fetch - bwd_compute))
+    pool, backward, resident = (offload_bytes(shape, spec, cp=cp, tp=tp, dtype_bytes=dtype_bytes)
+                                if spec.offload else (0.0, 0.0, 0.0))
     return FPDTReport(
+        pool_bytes_per_layer=pool, pool_backward_bytes=backward, resident_chunk_bytes=resident,
         chunks=u, device_chunk_bytes=device_chunk, device_hidden_bytes=device_hidden,
         checkpoint_bytes=checkpoints, host_bytes_per_rank=host, block_compute_s=block_compute,
         block_fetch_s=block_fetch, backward_block_compute_s=bwd_compute, backward_block_fetch_s=bwd_fetch,
         exposed_s_per_layer=exposed,
     )
+
+
+def offload_bytes(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
+                  dtype_bytes: int = 2) -> tuple[float, float, float]:
+    """What fpdt/attention.py puts in one layer's HostBufferPool over one forward/backward
+    pair (the pool keeps every buffer for reuse), and the most chunk state its ChunkStore
+    holds on the device at once. Per chunk (C tokens after the all-to-all, L = C/P before):
+    the input x and the output o in sequence layout (L x h and L x a d), k and v, q, o, do
+    in head layout, the fp32 log-sum-exp; dq of the later query chunks, first in the
+    kernel's dtype (u - 1 buffers) and from the second KV chunk on as the fp32 sum (u - 2).
+    On the device in the backward: x of two chunks (the previous one's weight gradient
+    runs after this chunk's inner loop), k and v of one chunk, and q, o, lse, do, dq of
+    two query chunks (double buffering). Returns (pool, its backward-only part, device).
+    Backwards of one layer run one at a time, so with several microbatches in flight the
+    pool holds each one's forward buffers and one set of backward buffers (do takes the
+    buffers a finished backward returned)."""
+    u = spec.num_chunks(shape.seq_length)
+    b, h, d, e = shape.micro_batch_size, shape.hidden_size, shape.head_dim, dtype_bytes
+    a, g = shape.num_attention_heads / tp / cp, shape.groups / tp / cp
+    C = spec.chunk_size
+    L = C / cp
+    x, olocal = L * b * h * e, L * b * a * cp * d * e
+    kv, qod, lse, dq = 2 * C * b * g * d * e, 3 * C * b * a * d * e, C * b * a * 4, C * b * a * d
+    backward = u * qod / 3 + (u - 1) * dq * e + max(u - 2, 0) * dq * 4
+    pool = u * (x + olocal + kv + 2 * qod / 3 + lse) + backward
+    resident = 2 * x + kv + 2 * (qod + lse + dq * (4 if u > 2 else e))
+    return pool, backward, resident
 
 
 def fmt_gib(x: float) -> str:

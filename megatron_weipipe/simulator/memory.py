@@ -98,6 +98,76 @@ def logits_bytes(shape: ModelShape, tp: int = 1, cp: int = 1) -> float:
     return 2.0 * shape.tokens / cp * shape.padded_vocab(tp) / tp * 4
 
 
+def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str, chunks: int = 1) -> float:
+    """Bytes one layer of the long-context path (model/long_context.py: CP > 1 or FPDT, local
+    layers) saves for its backward, one microbatch, one rank; ``mode`` "ulysses", "fpdt"
+    or "offload" (FPDT with --fpdt-offload). Per local token, from the code:
+    - each of the two RMSNorms (torch's composite rms_norm) saves its fp32 input copy and
+      fp32 normalised output (8h) and the fp32 1/rms (4); its bf16 output is saved by the
+      linear that reads it (attention input: not with offload, where fpdt_attention keeps
+      the input chunks on the host; MLP input: always);
+    - Ulysses (ulysses_attention): rotated q, k, v and o in head layout, o again in
+      sequence layout (the projection's input), the fp32 log-sum-exp; megatron-core's MLP:
+      fc1 output (2f), the sigmoid and silu of its first half and their product (3f);
+    - FPDT without offload: its ChunkStore keeps q, o, k, v, the fp32 log-sum-exp and the
+      output chunks in sequence layout on the device; the chunked MLP keeps only its input.
+    LayerNorm (native kernel) saves its bf16 input and two fp32 statistics instead."""
+    b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
+    a, g, d, f = shape.num_attention_heads / o.tp, shape.groups / o.tp, shape.head_dim, shape.ffn / o.tp
+    e = o.dtype_bytes
+    norm = 8 * h + 4 if shape.normalization == "RMSNorm" else h * e + 8
+    per_token = 2 * norm + (1 if mode == "offload" else 2) * h * e
+    if mode == "ulysses":
+        per_token += (2 * a + 2 * g) * d * e + a * d * e + 4 * a
+        per_token += (5 * f if shape.swiglu else 2 * f) * e
+    elif mode == "fpdt":
+        per_token += (3 * a + 2 * g) * d * e + 4 * a
+    return s * b * per_token
+
+
+def long_context_norm_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+    """The composite rms_norm's backward: four fp32 tensors of the norm's input size alive at
+    once beside what the layer saved (gradient upcast, its product with the weight, and the
+    two terms of the input gradient)."""
+    if shape.normalization != "RMSNorm":
+        return 0.0
+    return 4 * 4 * shape.micro_batch_size * shape.seq_length / o.cp * shape.hidden_size
+
+
+def unchunked_loss_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+    """megatron-core's loss on the long-context path without FPDT (Ulysses), at its peak:
+    the output layer's logits in the compute dtype and the cross entropy's fp32 copy
+    (s x V each), beside what the final norm saved (as a layer's norm) and its output."""
+    b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
+    v, e = shape.padded_vocab(o.tp) / o.tp, o.dtype_bytes
+    final_norm = 8 * h + 4 if shape.normalization == "RMSNorm" else 8
+    return s * b * (v * (e + 4) + final_norm + h * e)
+
+
+def chunked_mlp_scratch_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> float:
+    """FPDT's chunked MLP backward (fpdt/mlp.py): the input gradient (s x h), the fp32
+    weight-gradient accumulators (fc1 and fc2), and of one chunk of s/chunks tokens the
+    recomputed fc1 output and its gradient (2 x 2f with SwiGLU) and four f-wide tensors
+    (sigmoid, silu, product, their gradient)."""
+    b, s, h, f, e = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size, shape.ffn / o.tp, o.dtype_bytes
+    wide = 2 * f if shape.swiglu else f
+    return s * b * h * e + (wide + f) * h * 4 + s / chunks * b * (2 * wide + 4 * f) * e
+
+
+def chunked_loss_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> float:
+    """FPDT's chunked cross entropy (fpdt/loss.py) on the rank holding the loss: what the
+    final norm saved (as a layer's norm), its output and the fp32 log-sum-exp, plus the larger of its forward (one chunk of
+    c = s/chunks tokens: fp32 logits z, z - max and its exp, 12 bytes per token and vocab
+    entry) and its backward (input gradient s x h, fp32 weight-gradient accumulator V x h,
+    and of one chunk the fp32 probabilities, their product with the loss gradient and its
+    cast: 8 + e bytes per token and vocabulary entry)."""
+    b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
+    v, e = shape.padded_vocab(o.tp) / o.tp, o.dtype_bytes
+    chunk = s / chunks * b * v
+    final_norm = 8 * h + 4 if shape.normalization == "RMSNorm" else 8  # saved as in a layer's norms
+    return s * b * (h * e + 4 + final_norm) + max(12 * chunk, s * b * h * e + v * h * 4 + (8 + e) * chunk)
+
+
 # ---------------------------------------------------------------- read off the lists
 
 def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ...]:
@@ -115,6 +185,26 @@ def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[in
                                                 else a.kind is Kind.BACKWARD_INPUT):
                 live.discard((a.mb, a.chunk))
         out.append(peak)
+    return tuple(out)
+
+
+def pool_sets(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ...]:
+    """Per rank, the sum over its model chunks of the most microbatches each chunk had in
+    flight at once: how many forward sets per-module pools (FPDT's host pools) keep, as
+    each pool stays at its own peak."""
+    out = []
+    for acts in schedule.ranks:
+        live: dict = {}
+        peak: dict = {}
+        split = not freed_at_input and any(a.kind is Kind.BACKWARD_WEIGHT for a in acts)
+        for a in acts:
+            if a.kind is Kind.FORWARD:
+                live.setdefault(a.chunk, set()).add(a.mb)
+                peak[a.chunk] = max(peak.get(a.chunk, 0), len(live[a.chunk]))
+            elif a.kind is Kind.BACKWARD or (a.kind is Kind.BACKWARD_WEIGHT if split
+                                                else a.kind is Kind.BACKWARD_INPUT):
+                live.get(a.chunk, set()).discard(a.mb)
+        out.append(sum(peak.values()))
     return tuple(out)
 
 
@@ -208,6 +298,8 @@ class RankMemory:
     activations: float
     buffers: float  # WeiPipe circulating weights/gradients, runtime flat copies
     transient: float  # the largest short-lived allocation (logits, one recomputed chunk)
+    host: float = 0.0  # offload's host buffers (FPDT's per-layer pools)
+    chunk_state: float = 0.0  # FPDT chunks brought back from the host (offload)
 
     @property
     def total(self) -> float:

@@ -185,6 +185,16 @@ def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ..
                 coll += s.word_embedding_params(lay.tp) * 4
             if r == P - 1:
                 coll += ce * spec.num_microbatches
+        if spec.distributed_optimizer:
+            coll += spec.rank_params(r) * spec.compute_bytes // (lay.dp * lay.cp)  # all-gather: this rank's shard
+        if lay.cp > 1:
+            # Ulysses / FPDT all-to-alls, payload as counted (the whole send buffer): per layer
+            # and microbatch q|k|v out and o back in the forward, do out and dq|dk|dv back in
+            # the backward; full recomputation runs the forward's pair again
+            per = s.tokens // lay.cp * (s.qkv_width + s.num_attention_heads * s.head_dim) // lay.tp * spec.compute_bytes
+            layer_passes = (schedule.microbatches * s.num_layers if spec.is_weipipe
+                            else spec.num_microbatches * spec.rank_layers(r))
+            coll += per * (3 if spec.recompute else 2) * layer_passes
         row["collectives"] = coll
         out.append(row)
     return tuple(out)
@@ -207,16 +217,48 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     per_layer = memory.layer_activation_bytes(s, act_opts)
     per_input = memory.layer_input_bytes(s, act_opts)
     in_flight = memory.peak_in_flight(schedule, freed_at_input=spec.weight_pass == "stored")
+    pools = memory.pool_sets(schedule, freed_at_input=spec.weight_pass == "stored")
     buffers = memory.peak_buffers(schedule, spec.lookahead) if spec.is_weipipe else None
     chunk = spec.chunk_params()
     logits = memory.logits_bytes(s, lay.tp, lay.cp)
+    long_mode = None  # model/long_context.py's layers: Ulysses (CP > 1) or FPDT
+    if fp is not None:
+        long_mode = "offload" if spec.fpdt.offload else "fpdt"
+    elif lay.cp > 1:
+        long_mode = "ulysses"
+    if long_mode is not None:
+        per_layer = memory.long_context_layer_bytes(s, act_opts, long_mode)
+        if fp is not None and not spec.is_weipipe:
+            logits = memory.chunked_loss_bytes(s, act_opts, spec.fpdt.loss_num_chunks(s.seq_length))
+        else:  # Ulysses; and WeiPipe's ring model computes megatron-core's loss, unchunked, under FPDT too
+            logits = memory.unchunked_loss_bytes(s, act_opts)
     out = []
     for r in range(lay.pp):
         params = spec.rank_params(r)
         model_state = params * state.per_param()
-        if fp is not None:
-            acts = fp.device_hidden_bytes + (0.0 if spec.fpdt.offload_checkpoints else fp.checkpoint_bytes)
-            transient = fp.device_chunk_bytes
+        host = chunk_state = 0.0
+        if long_mode is not None:
+            units, redo = (1, k) if spec.is_weipipe else (k, 1)
+            if spec.recompute:
+                acts, transient = in_flight[r] * units * per_input, redo * per_layer
+            else:
+                acts, transient = in_flight[r] * k * per_layer, 0.0
+                if r > 0 and not spec.is_weipipe:
+                    acts += in_flight[r] * per_input  # megatron-core keeps each received input tensor
+            scratch = memory.long_context_norm_scratch_bytes(s, act_opts)
+            if fp is not None:
+                scratch = max(scratch, memory.chunked_mlp_scratch_bytes(s, act_opts, spec.fpdt.mlp_num_chunks(s.seq_length)))
+            transient += scratch
+            if spec.is_weipipe or r == lay.pp - 1:
+                transient = max(transient, logits)  # the loss's backward runs before any layer's
+            if fp is not None and spec.fpdt.offload:
+                # one HostBufferPool per attention module, as large as the most forward/backward
+                # pairs it had open at once (one under recomputation: the first forward keeps nothing)
+                forward = fp.pool_bytes_per_layer - fp.pool_backward_bytes
+                sets = in_flight[r] if spec.is_weipipe else pools[r]  # WeiPipe: one chunk's modules serve all
+                host = (fp.pool_bytes_per_layer * spec.rank_layers(r) if spec.recompute else
+                        forward * sets * k + fp.pool_backward_bytes * spec.rank_layers(r))
+                chunk_state = fp.resident_chunk_bytes
         elif spec.recompute:
             # Megatron checkpoints every layer (uniform, one layer per unit) and recomputes one
             # at a time; WeiPipe's runtime keeps each chunk's input and recomputes the chunk
@@ -226,15 +268,15 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         else:
             acts = in_flight[r] * k * per_layer
             transient = 0.0
-        if fp is None:
+        if long_mode is None:
             transient += memory.attention_scratch_bytes(s, act_opts)
-        if fp is None and (spec.is_weipipe or r == lay.pp - 1):
-            transient += logits  # FPDT's chunked loss is in its chunk buffers
+            if spec.is_weipipe or r == lay.pp - 1:
+                transient = max(transient, logits)  # the loss's backward ends before a layer's starts
         buf = 0.0
         if buffers is not None:
             b = buffers[r]
             buf = chunk * (b.weights * spec.compute_bytes + b.grads * spec.weipipe_grad_bytes)
             buf += chunk * 4 * 2  # the runtime's flat fp32 master copy and summed chunk gradient
         out.append(memory.RankMemory(params=params, model_state=model_state, activations=acts, buffers=buf,
-                                     transient=transient))
+                                     transient=transient, host=host, chunk_state=chunk_state))
     return tuple(out)

@@ -129,6 +129,11 @@ class RunSpec:
                 out += s.word_embedding_params(tp)
         return out
 
+    def rank_layers(self, r: int) -> int:
+        """Transformer layers built on rank r (WeiPipe: one chunk's modules, run with every
+        chunk's circulating weights)."""
+        return self.layers_per_chunk * (1 if self.is_weipipe else self.stages // self.layout.pp)
+
     def activation_message_bytes(self) -> int:
         s, lay = self.shape, self.layout
         tokens = s.tokens // lay.cp // (lay.tp if self.sequence_parallel else 1)
