@@ -62,7 +62,8 @@ def model_argv(seq: int, a) -> list[str]:
             "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches), "--train-iters", str(a.iters),
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
             "--tokenizer-type", "ByteLevelTokenizer", "--make-vocab-size-divisible-by", "128", "--eval-iters", "0",
-            "--log-interval", "1", "--seed", "1234", "--distributed-backend", "gloo"]
+            "--log-interval", "1", "--seed", "1234", "--distributed-backend", "gloo",
+            "--untie-embeddings-and-output-weights"]  # one model for every row (FSDP needs it untied)
 
 
 def schedule_argv(name: str, a) -> list[str]:

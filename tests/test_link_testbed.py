@@ -43,7 +43,7 @@ def test_smoke_one_preset_one_sequence():
     assert f"{netns.PREFIX}{p.pid}h" not in names and f"{netns.PREFIX}{p.pid}hub" not in names
     rows = {r["schedule"]: r for r in json.loads(out)}
     assert set(rows) == {"1f1b", "weipipe-interleave", "fsdp"}
-    for name in ("1f1b", "weipipe-interleave"):
+    for name in ("1f1b", "weipipe-interleave", "fsdp"):
         r = rows[name]
         assert r["preset"] == "ib-edr" and r["seq"] == 256 and r["tokens_per_s"] > 0, r
         assert r["bytes_sent"] == sum(r["bytes_by_kind"].values()) > 0
@@ -52,4 +52,4 @@ def test_smoke_one_preset_one_sequence():
     assert rows["1f1b"]["bytes_by_kind"]["activations"] == 2 * 256 * 32 * 4
     assert "activations" not in rows["weipipe-interleave"]["bytes_by_kind"]
     assert rows["weipipe-interleave"]["bytes_by_kind"]["weights"] > 0
-    assert rows["fsdp"]["tokens_per_s"] or "fsdp" in rows["fsdp"]["skipped"]
+    assert rows["fsdp"]["bytes_by_kind"]["fsdp"] > 0 and "activations" not in rows["fsdp"]["bytes_by_kind"]
