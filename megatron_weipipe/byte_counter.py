@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 
+_UNCOUNTED = "<uncounted>"
+
+
 class ByteCounter:
     def __init__(self) -> None:
         self.sent: dict[str, int] = defaultdict(int)
@@ -44,6 +47,11 @@ class ByteCounter:
             yield
         finally:
             stack.pop()
+
+    def uncounted(self):
+        """A scope whose calls the hooks leave out: traffic already counted by its issuer
+        (FSDP counts its own collectives, whichever torch.distributed call runs them)."""
+        return self.scope(_UNCOUNTED)
 
     def add_sent(self, kind: str, nbytes: int) -> None:
         self.sent[kind] += int(nbytes)
@@ -90,7 +98,8 @@ class ByteCounter:
             @functools.wraps(fn)
             def inner(tensor, *args, **kwargs):
                 kind = counter._kind("p2p")
-                (counter.add_sent if sending else counter.add_received)(kind, nbytes(tensor))
+                if kind != _UNCOUNTED:
+                    (counter.add_sent if sending else counter.add_received)(kind, nbytes(tensor))
                 return fn(tensor, *args, **kwargs)
 
             return inner
@@ -103,7 +112,7 @@ class ByteCounter:
         @functools.wraps(original_batch)
         def batch_isend_irecv(ops):
             kind = counter._kind("p2p")
-            for op in ops:
+            for op in ops if kind != _UNCOUNTED else ():
                 sending = getattr(op.op, "__name__", "") in ("isend", "send")
                 (counter.add_sent if sending else counter.add_received)(kind, nbytes(op.tensor))
             return original_batch(ops)
@@ -120,8 +129,9 @@ class ByteCounter:
                     size = nbytes(t)
                 kind = counter._kind("collectives")
                 kind = kind if kind != "activations" else "collectives"
-                counter.add_sent(kind, size)
-                counter.add_received(kind, size)
+                if kind != _UNCOUNTED:
+                    counter.add_sent(kind, size)
+                    counter.add_received(kind, size)
                 return fn(*args, **kwargs)
 
             return inner

@@ -126,6 +126,9 @@ class ParallelConfig:
                    "interleaved with virtual stages, else 1f1b)")
     sequence_parallel: bool = option(False, help="Megatron sequence parallelism (needs TP > 1)")
     use_distributed_optimizer: bool = option(False, help="shard optimizer state over data-parallel ranks")
+    use_torch_fsdp2: bool = option(False, help="torch FSDP2 (fully_shard per transformer layer, then the model): "
+                                              "parameters, gradients and optimizer state sharded over data x "
+                                              "context parallel ranks (docs/fsdp.md)")
     overlap_grad_reduce: bool = option(False, help="overlap the gradient all-reduce with backward")
     distributed_backend: Optional[str] = option(None, choices=("nccl", "gloo"),
                                                 help="process-group backend (default: nccl on GPU hosts, gloo "
@@ -357,3 +360,22 @@ class PretrainConfig:
                     "--sequence-parallel cannot be combined with --context-parallel-size > 1 or --fpdt")
         if self.fpdt.enabled:
             self.fpdt.validate(m.seq_length, p.context_parallel_size)
+        if p.use_torch_fsdp2:
+            self._validate_fsdp()
+
+    def _validate_fsdp(self) -> None:
+        """--use-torch-fsdp2: what the FSDP2 data-parallel mode composes with (docs/fsdp.md)."""
+        p, t = self.parallel, self.training
+        require(p.pipeline_model_parallel_size == 1,
+                "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 (FSDP is a data-parallel mode; no 1F1B "
+                "or WeiPipe pipeline)")
+        require(p.tensor_model_parallel_size == 1, "--use-torch-fsdp2 needs --tensor-model-parallel-size 1")
+        require(not p.use_distributed_optimizer,
+                "--use-torch-fsdp2 cannot be combined with --use-distributed-optimizer (FSDP shards the "
+                "optimizer state itself)")
+        require(not p.overlap_grad_reduce,
+                "--use-torch-fsdp2 cannot be combined with --overlap-grad-reduce (FSDP issues its own "
+                "reduce-scatters)")
+        require(self.model.untie_embeddings_and_output_weights,
+                "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights (as in Megatron-LM)")
+        require(not (t.fp16 or t.bf16), "--use-torch-fsdp2 runs in float32 here (no --bf16 / --fp16)")

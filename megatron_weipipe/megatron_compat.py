@@ -60,10 +60,8 @@ class MegatronCompatConfig:
     log_memory_to_tensorboard: bool = _noop("logging")
     # --- refused: one line naming the flag ----------------------------------------
     fp8_format: Optional[str] = _refused("FP8 needs Transformer Engine on Hopper-class GPUs")
-    use_torch_fsdp2: bool = _refused("FSDP is not one of this package's data-parallel modes "
-                                     "(use --use-distributed-optimizer)", default=False)
-    use_megatron_fsdp: bool = _refused("FSDP is not one of this package's data-parallel modes "
-                                       "(use --use-distributed-optimizer)", default=False)
+    use_megatron_fsdp: bool = _refused("Megatron's own FSDP is not one of this package's data-parallel modes "
+                                       "(use --use-torch-fsdp2 or --use-distributed-optimizer)", default=False)
     cpu_offloading: bool = _refused("Megatron's --cpu-offloading is Transformer Engine's activation offload, "
                                     "which megatron-core 0.16 refuses with recomputation and with pipeline "
                                     "parallelism; use --offload-layer-inputs (with --recompute-granularity full) "

@@ -22,7 +22,7 @@ MEGATRON_FLAGS = """
 --hidden-dropout --attention-dropout --init-method-std --make-vocab-size-divisible-by --transformer-impl
 --recompute-granularity --recompute-method --recompute-num-layers --no-layout-invariant-init
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
---context-parallel-size --pipeline-schedule --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce
+--context-parallel-size --pipeline-schedule --sequence-parallel --use-distributed-optimizer --use-torch-fsdp2 --overlap-grad-reduce
 --distributed-backend --distributed-timeout-minutes --weipipe-grad-dtype --fpdt --fpdt-chunk-size --fpdt-offload
 --micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-decay-style --lr-warmup-iters
 --lr-warmup-fraction --lr-decay-iters --weight-decay --clip-grad --optimizer --adam-beta1 --adam-beta2 --adam-eps

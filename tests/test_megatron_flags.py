@@ -41,7 +41,7 @@ def test_noop_flags_leave_the_configuration_unchanged():
 
 
 REFUSED = {
-    "--fp8-format": ["hybrid"], "--use-torch-fsdp2": [], "--use-megatron-fsdp": [], "--use-legacy-models": [],
+    "--fp8-format": ["hybrid"], "--use-megatron-fsdp": [], "--use-legacy-models": [],
     "--rampup-batch-size": ["16", "16", "1000"], "--decoupled-lr": ["5e-4"], "--train-samples": ["100"],
     "--calculate-per-token-loss": [], "--grad-reduce-in-bf16": [], "--wandb-project": ["x"], "--profile": [],
     "--cpu-offloading": [],

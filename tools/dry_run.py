@@ -89,6 +89,7 @@ class Ledger:
         for t in tensors:
             if t is None:
                 continue
+            t = t.to_local() if hasattr(t, "to_local") else t  # FSDP's DTensors: the shard this rank holds
             st = t.untyped_storage()
             entry = self.live.get(id(st))
             if entry is None or entry[2]() is not st:

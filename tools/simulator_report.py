@@ -6,6 +6,7 @@
                                                                     # the runs' saved calibrations
     python tools/simulator_report.py weipipe-paper                                       # seconds
     python tools/simulator_report.py fpdt-paper                                          # seconds
+    python tools/simulator_report.py weipipe-baselines                                   # a minute
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main(argv=None) -> int:
     table.add_argument("--records", default="/tmp/simulator_cpu.jsonl")
     table.add_argument("--workdir", default="/tmp", help="where the calibrations are kept")
     sub.add_parser("weipipe-paper", help="WeiPipe's scaling setting, NVLink and PCIe+IB clusters")
+    sub.add_parser("weipipe-baselines", help="WeiPipe's setting against 1F1B, ZB-H1, FSDP and the floor")
     sub.add_parser("fpdt-paper", help="FPDT's 8B Llama at 2M tokens on 4 GPUs and 4M on 8")
     args = p.parse_args(argv)
     try:
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
             print(doc_tables.cpu_table(cpu_host.summarise(records)))
         elif args.what == "weipipe-paper":
             print(doc_tables.weipipe_table())
+        elif args.what == "weipipe-baselines":
+            print(doc_tables.baselines_table())
         elif args.what == "fpdt-paper":
             print(doc_tables.fpdt_table())
     except SimulatorError as e:

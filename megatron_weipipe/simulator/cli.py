@@ -78,7 +78,7 @@ def schedule_names(a: SimulatorArgs) -> list[str]:
 
 
 def build_cluster(hw: HardwareOptions):
-    from .hardware import HOST_LINKS, Cluster, device_preset, link_preset, parse_links
+    from .hardware import HOST_LINKS, Cluster, device_preset, link_preset, parse_links, shared_link
 
     device = device_preset(hw.gpu)
     overrides = {k: getattr(hw, k) for k in ("peak_tflops", "gemm_efficiency", "attention_efficiency",
@@ -92,6 +92,9 @@ def build_cluster(hw: HardwareOptions):
         inter = replace(inter, bandwidth_gbs=hw.inter_bandwidth_gbs or inter.bandwidth_gbs,
                         latency_us=inter.latency_us if hw.inter_latency_us is None else hw.inter_latency_us)
     require(hw.gpus_per_node >= 1, "--gpus-per-node must be at least 1")
+    require(1 <= hw.intra_link_shared_by <= hw.gpus_per_node and 1 <= hw.inter_link_shared_by <= hw.gpus_per_node,
+            "--intra-link-shared-by and --inter-link-shared-by must be between 1 and --gpus-per-node")
+    intra, inter = shared_link(intra, hw.intra_link_shared_by), shared_link(inter, hw.inter_link_shared_by)
     return Cluster(device=device, intra=intra, inter=inter, gpus_per_node=hw.gpus_per_node,
                    host_link=link_preset(hw.host_link, HOST_LINKS, "--host-link"),
                    host_memory_gb=hw.host_memory_gb).validate()
@@ -99,19 +102,44 @@ def build_cluster(hw: HardwareOptions):
 
 def run_specs(a: SimulatorArgs) -> list:
     """One RunSpec per compared schedule, each checked by the training rules; raises ConfigError."""
-    from megatron_weipipe.schedules import registry
-
-    from .run_spec import for_schedule, spec_from_config
+    from .run_spec import BASELINES, for_schedule, schedule_choices, spec_from_config
 
     names = schedule_names(a)
     for n in names:
-        require(registry.find(n) is not None,
-                f"--schedules: {n!r} is unknown; choose from {', '.join(registry.names())}")
-    return [spec_from_config(for_schedule(a.config, n), virtual_stages=a.sim.virtual_stages, zero3=a.sim.zero3,
-                             attention_impl="unfused" if a.calibrated else "flash",
-                             weight_pass=a.sim.weipipe_weight_pass,
-                             offload_checkpoints=a.sim.fpdt_offload_checkpoints).validate()
-            for n in names]
+        require(n in schedule_choices(), f"--schedules: {n!r} is unknown; choose from {', '.join(schedule_choices())}")
+    factors = kernel_efficiencies(a.sim.kernel_efficiency, names)
+    specs = []
+    for n in names:
+        spec = spec_from_config(for_schedule(a.config, n), virtual_stages=a.sim.virtual_stages,
+                                zero3=a.sim.zero3 or n == "fsdp",
+                                attention_impl="unfused" if a.calibrated else "flash",
+                                weight_pass=a.sim.weipipe_weight_pass,
+                                offload_checkpoints=a.sim.fpdt_offload_checkpoints)
+        if n in BASELINES:
+            spec = replace(spec, schedule=n)
+        specs.append(replace(spec, kernel_efficiency=factors[n]).validate())
+    return specs
+
+
+def kernel_efficiencies(text: str, names) -> dict:
+    """--kernel-efficiency: one factor for every schedule ("0.9") or SCHEDULE=FACTOR pairs
+    ("weipipe-interleave=0.8,weipipe-zb=0.8"; the others 1.0)."""
+    out = {n: 1.0 for n in names}
+    text = (text or "1.0").strip()
+    try:
+        if "=" not in text:
+            out = {n: float(text) for n in names}
+        else:
+            for part in filter(None, (x.strip() for x in text.split(","))):
+                name, _, value = part.partition("=")
+                require(name.strip() in out, f"--kernel-efficiency names {name.strip()!r}, which is not among "
+                                             f"--schedules ({', '.join(names)})")
+                out[name.strip()] = float(value)
+    except ValueError:
+        require(False, f"--kernel-efficiency {text!r} must be a number or SCHEDULE=NUMBER pairs")
+    for n, f in out.items():
+        require(0 < f <= 10, f"--kernel-efficiency of {n} must be positive (got {f:g})")
+    return out
 
 
 def parse_command(argv: Optional[Sequence[str]] = None):

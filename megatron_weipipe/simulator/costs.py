@@ -94,6 +94,10 @@ class CostModel:
                 return t.forward + ends_f
             if a.kind is Kind.BACKWARD:
                 return t.backward + re + ends_b
+            if a.kind is Kind.BACKWARD_INPUT:  # zb-h1: the recompute and the ends go with I
+                return t.backward_input + re + ends_b
+            if a.kind is Kind.BACKWARD_WEIGHT:
+                return t.backward_weight
             return 0.0
 
         return weipipe_cost if weipipe else megatron_cost

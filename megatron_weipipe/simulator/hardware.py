@@ -94,6 +94,15 @@ HOST_LINKS: dict[str, LinkSpec] = {
 }
 
 
+def shared_link(link: LinkSpec, users: int) -> LinkSpec:
+    """The link as each of `users` GPUs sees it when they use one shared link at once (a PCIe
+    switch, a node's NIC): bandwidth / users, latency unchanged."""
+    require(users >= 1, "a shared link needs at least one user")
+    if users == 1:
+        return link
+    return replace(link, name=f"{link.name}/{users}", bandwidth_gbs=link.bandwidth_gbs / users)
+
+
 def device_preset(name: str) -> DeviceSpec:
     key = name.lower()
     if key not in DEVICES:

@@ -14,7 +14,8 @@ class SimulationOptions:
     num_gpus: Optional[int] = option(None, help="world size (default TP x PP x CP: one replica)")
     schedules: Optional[str] = option(
         None, help="comma list of schedules to compare (default: --pipeline-schedule if given, else none at PP=1, "
-                   "otherwise 1f1b, interleaved, weipipe-interleave, weipipe-zb)")
+                   "otherwise 1f1b, interleaved, weipipe-interleave, weipipe-zb); baselines training does not run: "
+                   "zb-h1 (zero-bubble 1F1B), floor (N x the slowest stage), fsdp (ZeRO-3 over the same GPUs, PP=1)")
     virtual_stages: int = option(2, help="model chunks per rank for interleaved when "
                                          "--num-layers-per-virtual-pipeline-stage is not given")
     zero3: bool = option(False, help="memory as DeepSpeed ZeRO-3 keeps it (weights, grads, Adam sharded over DP x CP)")
@@ -23,6 +24,9 @@ class SimulationOptions:
         help="how weipipe-zb's split backward is priced: stored (I does both gradients, W adds them), replay (W "
              "is a second autograd pass), ideal (per-layer weight-gradient kernels, as GPT training's deferred "
              "weight GEMMs run; FLOP-based costs only)")
+    kernel_efficiency: str = option(
+        "1.0", help="compute speed of a schedule's kernels relative to the cost model (compute seconds are divided by "
+                    "it): one factor for all, or SCHEDULE=FACTOR pairs, e.g. weipipe-interleave=0.8,weipipe-zb=0.8")
     fpdt_offload_checkpoints: bool = option(
         False, help="layer-input checkpoints in host memory (implies full recomputation)")
 
@@ -43,6 +47,10 @@ class HardwareOptions:
     intra_latency_us: Optional[float] = option(None, help="intra-node link latency")
     inter_bandwidth_gbs: Optional[float] = option(None, help="inter-node link GB/s")
     inter_latency_us: Optional[float] = option(None, help="inter-node link latency")
+    intra_link_shared_by: int = option(
+        1, help="GPUs of a node using the intra-node link at once (a PCIe switch): each gets its bandwidth / this")
+    inter_link_shared_by: int = option(
+        1, help="GPUs of a node using the inter-node link at once (one NIC per node): each gets its bandwidth / this")
 
 
 @dataclass

@@ -58,14 +58,27 @@ def _ring(spec: RunSpec) -> list[int]:
 def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleResult:
     spec.validate()
     cluster.validate()
-    schedule = spec.build_schedule()
+    if spec.schedule in ("floor", "fsdp"):
+        from dataclasses import replace
+
+        from . import baselines
+
+        base = simulate_run(replace(spec, schedule="1f1b" if spec.schedule == "floor" else "none"), cluster, costs)
+        if spec.schedule == "fsdp":
+            return baselines.simulate_fsdp(spec, cluster, costs, replace(base, spec=spec))
+        return replace(base, spec=spec, **baselines.floor_of(spec, base))
+    zb = None
+    if spec.schedule == "zb-h1":  # its order is built for this stage's costs
+        t = costs.for_layers(spec.layers_per_chunk).module
+        zb = (t.forward, t.backward_input + (t.forward if costs.recompute else 0.0), t.backward_weight)
+    schedule = spec.build_schedule(zb)
     ring = _ring(spec)
     P, lay, s = spec.layout.pp, spec.layout, spec.shape
     fp = None
     if spec.fpdt is not None:
         fp = analyse(s, spec.fpdt, cluster, cp=lay.cp, tp=lay.tp, dtype_bytes=spec.compute_bytes)
     model = EventModel(
-        duration=costs.duration(schedule),
+        duration=_scaled(costs.duration(schedule), spec.kernel_efficiency),
         message_bytes=spec.message_bytes,
         link=lambda a, b: cluster.link(ring[a], ring[b]),
         semantics="blocking" if spec.schedule in ("1f1b", "none") else "async",
@@ -138,6 +151,13 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
         bubble=trace.bubble_fraction, bytes_per_link=tuple(wire), counter=counter_bytes(spec, schedule),
         memory=rank_memory(spec, schedule, fp), trace=trace, phases=phases, fpdt=fp, work=work,
     )
+
+
+def _scaled(duration, efficiency: float):
+    """Compute seconds of kernels running at ``efficiency`` x the cost model's speed."""
+    if efficiency == 1.0:
+        return duration
+    return lambda a: duration(a) / efficiency
 
 
 def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ...]:

@@ -18,6 +18,7 @@ from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.plan.actions import Action, Flow, Schedule
 from megatron_weipipe.schedules.plan.generate import generate
 from megatron_weipipe.schedules.plan.timeline import megatron_timeline
+from megatron_weipipe.schedules.plan.zb_h1 import zb_h1_timeline
 from megatron_weipipe.shape import ModelShape
 
 from .errors import SimulatorError, require
@@ -25,6 +26,12 @@ from .fpdt import FPDTSpec
 from .layout import Layout
 
 DEFAULT_VOCAB_SIZE = 32000  # when --vocab-size is not given (the simulator has no tokenizer)
+
+# Baselines the simulator compares with but training does not run, each checked by the
+# training rules of the schedule it is closest to: ZB-H1 (a 1F1B pipeline with a split
+# backward), the floor of any activation pipeline (N x the slowest stage, no bubble, no
+# wire), FSDP / ZeRO-3 (no pipeline: PP = 1, data parallel over the same GPUs).
+BASELINES = {"zb-h1": "1f1b", "floor": "1f1b", "fsdp": "none"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,12 @@ class RunSpec:
     fpdt: Optional[FPDTSpec] = None
     lookahead: int = 1
     weight_pass: str = "stored"  # WeiPipe's split backward: activations freed at I ("stored") or at W
+    kernel_efficiency: float = 1.0  # compute speed of this schedule's kernels relative to the cost model
+
+    @property
+    def training_schedule(self) -> str:
+        """The schedule whose training rules apply (a baseline's nearest trained schedule)."""
+        return BASELINES.get(self.schedule, self.schedule)
 
     @property
     def num_microbatches(self) -> int:
@@ -52,7 +65,7 @@ class RunSpec:
 
     @property
     def is_weipipe(self) -> bool:
-        return registry.entry(self.schedule).family == registry.WEIPIPE
+        return registry.entry(self.training_schedule).family == registry.WEIPIPE
 
     @property
     def stages(self) -> int:
@@ -67,10 +80,11 @@ class RunSpec:
         """The training rules of the run this simulates, then what the simulator itself needs."""
         s, lay = self.shape, self.layout
         P, L = lay.pp, s.num_layers
-        require(registry.find(self.schedule) is not None,
-                f"--schedules: {self.schedule!r} is unknown; choose from {', '.join(registry.names())}")
+        require(registry.find(self.training_schedule) is not None,
+                f"--schedules: {self.schedule!r} is unknown; choose from {', '.join(schedule_choices())}")
+        require(self.kernel_efficiency > 0, f"--kernel-efficiency of {self.schedule} must be positive")
         require(self.global_batch_size > 0, "--global-batch-size must be positive")
-        if self.schedule != "none" and P == 1:
+        if self.training_schedule != "none" and P == 1:
             raise SimulatorError(f"schedule {self.schedule} needs --pipeline-model-parallel-size >= 2")
         if self.schedule == "interleaved":
             V = self.virtual_stages
@@ -79,12 +93,15 @@ class RunSpec:
         check_config(spec_to_config(self), check_data=False)
         return self
 
-    def build_schedule(self) -> Schedule:
+    def build_schedule(self, zb_costs: Optional[tuple[float, float, float]] = None) -> Schedule:
+        """The action lists; ``zb_costs``: (F, I, W) of one stage, which zb-h1's order is built for."""
         P, N = self.layout.pp, self.num_microbatches
         if self.is_weipipe:
             return generate(self.schedule, P, N // P)
         if self.schedule == "interleaved":
             return megatron_timeline("interleaved", P, N, self.virtual_stages)
+        if self.schedule == "zb-h1":
+            return zb_h1_timeline(P, N, zb_costs or (1.0, 1.0, 1.0))
         return megatron_timeline("1f1b", P, N)
 
     # ------------------------------------------------------------ sizes
@@ -125,6 +142,11 @@ class RunSpec:
 
 
 
+def schedule_choices() -> tuple[str, ...]:
+    """Every name --schedules takes: the trained schedules, then the baselines."""
+    return registry.names() + tuple(BASELINES)
+
+
 def spec_to_config(spec: RunSpec) -> PretrainConfig:
     """The training configuration a RunSpec simulates (validated with the training rules)."""
     s, lay = spec.shape, spec.layout
@@ -141,7 +163,7 @@ def spec_to_config(spec: RunSpec) -> PretrainConfig:
         vpp = s.num_layers // (lay.pp * spec.virtual_stages)
     parallel = ParallelConfig(
         tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp, context_parallel_size=lay.cp,
-        num_layers_per_virtual_pipeline_stage=vpp, pipeline_schedule=spec.schedule,
+        num_layers_per_virtual_pipeline_stage=vpp, pipeline_schedule=spec.training_schedule,
         sequence_parallel=spec.sequence_parallel, use_distributed_optimizer=spec.distributed_optimizer,
         weipipe_grad_dtype="bf16" if spec.weipipe_grad_bytes == 2 else "fp32",
     )
@@ -188,4 +210,7 @@ def for_schedule(cfg: PretrainConfig, name: str) -> PretrainConfig:
     """``cfg`` resolved for one of the schedules the simulator compares."""
     if name != "interleaved" and cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
         cfg = replace(cfg, parallel=replace(cfg.parallel, num_layers_per_virtual_pipeline_stage=None))
-    return cfg.with_derived_defaults(name)
+    if name == "fsdp":  # the same GPUs as data-parallel ranks, no pipeline
+        p = cfg.parallel
+        cfg = replace(cfg, parallel=replace(p, pipeline_model_parallel_size=1, pipeline_schedule=None))
+    return cfg.with_derived_defaults(BASELINES.get(name, name))

@@ -32,7 +32,7 @@ from megatron_weipipe.context import RunContext
 from megatron_weipipe.flags import to_flags
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe.platform import Platform
-from megatron_weipipe.training import optimizer_checkpoint, safe_load
+from megatron_weipipe.training import fsdp_checkpoint, optimizer_checkpoint, safe_load
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ def _layout(cfg: PretrainConfig) -> dict:
         "pipeline_schedule": cfg.schedule_name,
         "virtual_pipeline_size": p.virtual_pipeline_size(cfg.model.num_layers),
         "optimizer": optimizer_checkpoint.optimizer_layout(cfg),
+        "data_parallel_mode": fsdp_checkpoint.mode(cfg),
     }
 
 
@@ -193,22 +194,24 @@ def save_checkpoint(
             shutil.rmtree(path)
         os.makedirs(partial)
     dist.barrier()
-    state = _sharded_state(
-        cfg, ctx, model_chunks, optimizer, scheduler, with_optim=True, with_rng=True,
-        extra={
-            "optimizer_step": optimizer_checkpoint.adam_step(optimizer) if optimizer is not None else None,
-            "iteration": iteration,
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "consumed_train_samples": consumed_train_samples,
-            "consumed_valid_samples": consumed_valid_samples,
-            "num_skipped_iterations": num_skipped_iterations,
-            "layout": _layout(cfg),
-            "model_shape": _model_shape(cfg),
-            "model_flags": to_flags(cfg.model),
-        },
-    )
-    _avoid_result_manager_process()
-    dist_checkpointing.save(state, partial)
+    common = {
+        "iteration": iteration,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "consumed_train_samples": consumed_train_samples,
+        "consumed_valid_samples": consumed_valid_samples,
+        "num_skipped_iterations": num_skipped_iterations,
+        "layout": _layout(cfg),
+        "model_shape": _model_shape(cfg),
+        "model_flags": to_flags(cfg.model),
+    }
+    if cfg.parallel.use_torch_fsdp2:
+        fsdp_checkpoint.save(cfg, ctx, partial, model_chunks, optimizer, scheduler, common)
+    else:
+        common["optimizer_step"] = optimizer_checkpoint.adam_step(optimizer) if optimizer is not None else None
+        state = _sharded_state(cfg, ctx, model_chunks, optimizer, scheduler, with_optim=True, with_rng=True,
+                               extra=common)
+        _avoid_result_manager_process()
+        dist_checkpointing.save(state, partial)
     faults.pause_inside_save(iteration)
     dist.barrier()
     if rank == 0:
@@ -350,6 +353,9 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
         path = find_checkpoint(cfg)
         if path is not None:
             common = _check_before_loading(cfg, path)
+            mode_problem = fsdp_checkpoint.check_mode(common.get("layout", {}), cfg)
+            if mode_problem:
+                raise CheckpointError(f"--load {path}: {mode_problem}")
             problem = optimizer_checkpoint.check_resharding(common.get("layout", {}), _layout(cfg))
             if with_optim and problem and not common.get("weights_only"):
                 raise CheckpointError(f"--load {path}: {problem}")
@@ -368,6 +374,14 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
         if k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size")
     )
     with_rng = same_rng_layout and not (cfg.checkpoint.no_load_rng or finetune)
+    if cfg.parallel.use_torch_fsdp2:
+        try:
+            rng_state = fsdp_checkpoint.load(cfg, ctx, path, common, model_chunks, optimizer, scheduler,
+                                             with_optim=with_optim, with_rng=with_rng)
+        except Exception as e:
+            raise CheckpointError(f"--load: cannot load {path} ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:300] if str(e) else ''})") from e
+        return _loaded(cfg, ctx, path, common, finetune, rng_state)
     optimizer_key, apply_optimizer = "optimizer", None
 
     def load_optimizer(model_state):
@@ -390,7 +404,11 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
             apply_optimizer(state[optimizer_key])
         if scheduler is not None and state.get("opt_param_scheduler"):
             scheduler.load_state_dict(state["opt_param_scheduler"])
-    if not with_rng and not finetune and dist.get_rank() == 0:
+    return _loaded(cfg, ctx, path, common, finetune, state["rng_state"] if with_rng else None)
+
+
+def _loaded(cfg, ctx: RunContext, path: str, common: dict, finetune: bool, rng_state) -> LoadedState:
+    if rng_state is None and not finetune and not cfg.checkpoint.no_load_rng and dist.get_rank() == 0:
         log.warning("checkpoint %s was saved under another parallel layout: RNG state not restored", path)
     if finetune:
         return LoadedState()
@@ -399,6 +417,6 @@ def load_checkpoint(cfg: PretrainConfig, ctx: RunContext, model_chunks, optimize
         consumed_train_samples=int(common.get("consumed_train_samples", 0)),
         consumed_valid_samples=int(common.get("consumed_valid_samples", 0)),
         num_skipped_iterations=int(common.get("num_skipped_iterations", 0)),
-        rng_state=state["rng_state"] if with_rng else None,
+        rng_state=rng_state,
         platform=ctx.platform,
     )

@@ -236,8 +236,10 @@ def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provi
         f"DP={groups.dp_size}, {cfg.num_microbatches} microbatches per replica, padded vocab {vocab}"
     )
     model_chunks = schedule.build_model(partial(model_provider, cfg, vocab))
-    n_params = sum(p.numel() for m in model_chunks for p in m.parameters())
-    print_rank_0(f"> parameters on rank 0: {n_params}")
+    params = [p for m in model_chunks for p in m.parameters()]
+    n_params = sum(p.numel() for p in params)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)  # FSDP: a shard
+    print_rank_0(f"> parameters on rank 0: {n_params}" + (f" (its FSDP shards: {held})" if held != n_params else ""))
     optimizer = build_optimizer(cfg, model_chunks)
     scheduler = build_scheduler(cfg, optimizer)
 

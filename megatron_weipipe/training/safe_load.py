@@ -89,8 +89,9 @@ def check_checkpoint_files(checkpoint_dir: str) -> None:
             backend = json.load(f).get("sharded_backend")
     except (OSError, ValueError) as e:
         raise ValueError(f"{info} is unreadable ({type(e).__name__}: {e})") from None
-    if backend != "torch_dist":
-        raise ValueError(f"{info} names sharded backend {backend!r}; only torch_dist checkpoints are read")
+    if backend not in ("torch_dist", "torch_dcp_fsdp2"):
+        raise ValueError(f"{info} names sharded backend {backend!r}; only torch_dist and torch_dcp_fsdp2 "
+                         f"(--use-torch-fsdp2) checkpoints are read")
     path = os.path.join(checkpoint_dir, _METADATA)
     try:
         metadata = read_metadata(checkpoint_dir)

@@ -147,3 +147,59 @@ def fpdt_table() -> str:
             f"{per_node / 2**30:.0f} GiB | {hidden} | {r.iteration_s:.0f} s | {r.mfu:.1%} | {claim} |")
         commands.append(f"python tools/simulate.py {cmd}")
     return "\n".join(lines + ["", "Commands:", ""] + [f"    {c}" for c in commands])
+
+
+# The same setting against each baseline the paper measured (or should have): 1F1B as the
+# paper ran it (full recomputation), 1F1B and ZB-H1 without recomputation (both fit), FSDP
+# (ZeRO-3 over the same GPUs), and the floor of any activation pipeline; then with what the
+# first table assumes away. NVSwitch gives every GPU its own links, and in a pipeline or a
+# ring only one GPU of a node sends to the next node at a time, so the node-shared link is
+# the PCIe one: all 8 GPUs of a node send to their neighbours at once, through a switch
+# shared by 2 GPUs or, at worst, one uplink for all 8. And WeiPipe's kernels (flat weight
+# views, no fused optimizer of its own) at 80% of Megatron's speed.
+BASELINE_SETTINGS = {
+    "NVLink": {"as before (per-GPU links, equal kernels)": ("", ""),
+               "WeiPipe kernels at 80%": ("", "--kernel-efficiency 0.8")},
+    "PCIe + IB": {"as before (per-GPU links, equal kernels)": ("", ""),
+                  "PCIe shared by 2 GPUs": ("--intra-link-shared-by 2", ""),
+                  "PCIe shared by 8 GPUs": ("--intra-link-shared-by 8", ""),
+                  "PCIe shared by 2, WeiPipe kernels at 80%": ("--intra-link-shared-by 2", "--kernel-efficiency 0.8")},
+}
+BASELINE_CLUSTERS = {k: v for k, v in WEIPIPE_CLUSTERS.items() if "slow" not in k}
+BASELINE_COLUMNS = (("1F1B, recompute (paper's)", "1f1b", "--recompute-granularity full --recompute-method uniform"),
+                    ("1F1B", "1f1b", ""), ("ZB-H1", "zb-h1", ""), ("FSDP", "fsdp", ""), ("floor", "floor", ""))
+COMMAND_ROW = ("PCIe + IB", "PCIe shared by 2, WeiPipe kernels at 80%")
+
+
+def baselines_table(gpus=(8, 16, 32)) -> str:
+    head = ("| cluster | GPUs | setting | WeiPipe-Interleave | " + " | ".join(f"vs {c[0]}" for c in BASELINE_COLUMNS)
+            + " | vs best baseline | paper (up to, vs its best) |")
+    lines = [head, "|---" * (6 + len(BASELINE_COLUMNS)) + "|"]
+    commands = []
+    for cluster, hw in BASELINE_CLUSTERS.items():
+        for n in gpus:
+            for setting, (links, weipipe_only) in BASELINE_SETTINGS[cluster].items():
+                shown = n == gpus[-1] and (cluster, setting) == COMMAND_ROW
+                base = f"{WEIPIPE_MODEL} {hw} {links} --pipeline-model-parallel-size {n} --global-batch-size {4 * n}"
+                base = " ".join(base.split())
+                wcmd = f"{base} --schedules weipipe-interleave {weipipe_only}".strip()
+                (wei,), _ = run_command(wcmd)
+                cells, times = [], {}
+                for label, name, flags in BASELINE_COLUMNS:
+                    cmd = f"{base} --schedules {name} {flags}".strip()
+                    (r,), _ = run_command(cmd)
+                    cells.append(f"{r.iteration_s / wei.iteration_s - 1:+.0%}")
+                    if name != "floor":
+                        times[label] = r.iteration_s
+                    if shown:
+                        commands.append(f"python tools/simulate.py {cmd}")
+                if shown:
+                    commands.append(f"python tools/simulate.py {wcmd}")
+                best = min(times, key=times.get)
+                lines.append(f"| {cluster} | {n} | {setting} | {wei.iteration_s:.2f} s | " + " | ".join(cells)
+                             + f" | {times[best] / wei.iteration_s - 1:+.0%} ({best}) | {WEIPIPE_PAPER[cluster]:+.1%} |")
+    note = ("Cells: WeiPipe-Interleave's predicted gain in tokens/s over each baseline (baseline iteration / "
+            "WeiPipe iteration - 1). Commands of the 32-GPU row \"" + " / ".join(COMMAND_ROW) + "\" (the other "
+            "rows drop or change --intra-link-shared-by and --kernel-efficiency, --link and the GPU count as in the "
+            "first table):")
+    return "\n".join(lines + ["", note, ""] + [f"    {c}" for c in commands])

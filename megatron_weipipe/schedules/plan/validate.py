@@ -296,10 +296,27 @@ def _validate_activation_pipeline(schedule: Schedule, how: dict) -> None:
             if a.chunk > 0 and (Flow.ACTIVATIONS, a.mb, a.chunk) not in got and ("F", a.mb, a.chunk - 1) not in got:
                 raise ScheduleError(f"{a}: its input activation has not arrived")
             got.add(("F", a.mb, a.chunk))
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             if ("F", a.mb, a.chunk) not in got:
                 raise ScheduleError(f"{a}: backward before its forward")
             if a.chunk < S - 1 and (Flow.ACTIVATION_GRADS, a.mb, a.chunk) not in got:
                 raise ScheduleError(f"{a}: its output gradient has not arrived")
+            if ("B", a.mb, a.chunk) in got:
+                raise ScheduleError(f"{a}: second backward of that microbatch")
+            got.add(("B", a.mb, a.chunk))
+            if a.kind is Kind.BACKWARD:
+                got.add(("W", a.mb, a.chunk))
+        elif a.kind is Kind.BACKWARD_WEIGHT:  # a split backward's weight gradient (zb-h1)
+            if ("B", a.mb, a.chunk) not in got:
+                raise ScheduleError(f"{a}: weight gradient before the input-gradient pass")
+            if ("W", a.mb, a.chunk) in got:
+                raise ScheduleError(f"{a}: weight gradient computed twice")
+            got.add(("W", a.mb, a.chunk))
 
     walk(schedule, visit, **how)
+    for r, got in enumerate(have):
+        for m in range(schedule.microbatches):
+            for c in range(r, S, schedule.num_ranks):
+                for step, name in (("F", "forward"), ("B", "backward"), ("W", "weight gradient")):
+                    if (step, m, c) not in got:
+                        raise ScheduleError(f"rank {r} never runs the {name} of microbatch {m} at stage {c}")

@@ -67,8 +67,14 @@ class MegatronSchedule(TrainSchedule):
                         vp_stage=v,
                     )
                 )
-        self.model_chunks = wrap_ddp(self.cfg, chunks)
         config = chunks[0].config
+        if self.cfg.parallel.use_torch_fsdp2:
+            from .fsdp import wrap_fsdp
+
+            self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg))
+            config.finalize_model_grads_func = None  # FSDP reduce-scatters in backward
+            return self.model_chunks
+        self.model_chunks = wrap_ddp(self.cfg, chunks)
         config.finalize_model_grads_func = finalize_model_grads
         if self.cfg.parallel.overlap_grad_reduce:
             config.no_sync_func = [m.no_sync for m in self.model_chunks]

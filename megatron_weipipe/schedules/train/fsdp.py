@@ -1,0 +1,133 @@
+"""``--use-torch-fsdp2``: torch's FSDP2 (``fully_shard``) over the megatron-core GPT model.
+
+Megatron-LM's torch-FSDP2 data-parallel mode: each transformer layer and the embedding
+become one FSDP unit, then the whole model (the rest: final norm, output layer). Every
+parameter, its gradient and (through the optimizer) its Adam state is a DTensor sharded
+on dim 0 over the data x context parallel group: a context-parallel rank holds the same
+weights as its peers, so its gradient is summed over CP as well, which is megatron-core's
+dp_cp group. A unit's weights are all-gathered before its forward and again before its
+backward (``reshard_after_forward``), and its gradients are reduce-scattered after its
+backward, once per microbatch, averaged over the group as megatron-core's DDP averages.
+
+FSDP2 issues its collectives itself; every unit gets counting all-gather and
+reduce-scatter objects, so the bytes appear as ``fsdp`` in the log line (see
+``fsdp_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from megatron_weipipe.byte_counter import ByteCounter
+
+FSDP_KIND = "fsdp"
+
+
+def fsdp_bytes(shard_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends for one all-gather or reduce-scatter of a unit whose local
+    (padded) shard is ``shard_bytes``: a bandwidth-optimal (ring) collective sends
+    ``group_size - 1`` shards."""
+    return shard_bytes * (group_size - 1)
+
+
+def _counting_comms(counter: ByteCounter, group_size: int):
+    """An all-gather and a reduce-scatter that count their bytes, then run FSDP2's default."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    class CountedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, *args, **kwargs):
+            n = fsdp_bytes(nbytes(input_tensor), group_size)
+            counter.add_sent(FSDP_KIND, n)
+            counter.add_received(FSDP_KIND, n)
+            with counter.uncounted():
+                return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+
+    class CountedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, *args, **kwargs):
+            n = fsdp_bytes(nbytes(output_tensor), group_size)
+            counter.add_sent(FSDP_KIND, n)
+            counter.add_received(FSDP_KIND, n)
+            with counter.uncounted():
+                return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+
+    return CountedAllGather(), CountedReduceScatter()
+
+
+def _sharded_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules that become their own FSDP unit, in forward order: the embedding and
+    each transformer layer (as Megatron-LM's wrapper, which leaves the local output layer
+    to the root)."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [m for m in module.modules() if isinstance(m, (LanguageModelEmbedding, TransformerLayer))]
+
+
+class FullyShardedModel(torch.nn.Module):
+    """A GPT stage under FSDP2, with the surface megatron-core's schedules and optimizer
+    expect of a data-parallel wrapper (``module``, ``config``, ``ddp_config``,
+    ``zero_grad_buffer``, ``no_sync``)."""
+
+    def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup, device_type: str, counter: ByteCounter,
+                 ddp_config, reshard_after_forward: bool = True):
+        from torch.distributed import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__()
+        self.module = module
+        self.config = module.config
+        self.ddp_config = ddp_config
+        self.buffers = []  # megatron-core's optimizer looks for DDP's grad buffers: none here
+        self.expert_parallel_buffers = []
+        self.group = group
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the mesh is rank bookkeeping, real even in tools/dry_run.py
+            self.mesh = DeviceMesh.from_group(group, device_type)
+        attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}  # fully_shard drops them
+        units = _sharded_units(module)
+        kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        previous = None
+        for unit in units:
+            fully_shard(unit, **kwargs)
+            if self.config.recompute_granularity is not None:
+                # recomputation would upset the prefetch order FSDP2 records in forward
+                unit.set_modules_to_backward_prefetch([previous] if previous is not None else [])
+            previous = unit
+        fully_shard(module, **kwargs)
+        for name, p in module.named_parameters():
+            for key, value in attrs.get(name, {}).items():
+                setattr(p, key, value)
+        if hasattr(module, "set_custom_all_gather"):  # else (older torch) the process counter sees them
+            all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(group))
+            for unit in [*units, module]:
+                unit.set_custom_all_gather(all_gather)
+                unit.set_custom_reduce_scatter(reduce_scatter)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def zero_grad_buffer(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def start_grad_sync(self) -> None:
+        pass
+
+    def finish_grad_sync(self) -> None:
+        pass
+
+
+def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config) -> list[FullyShardedModel]:
+    """Shard each chunk over the data x context parallel group."""
+    return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config)
+            for chunk in chunks]

@@ -1,0 +1,104 @@
+"""Predict a row of the link testbed (bench/link_testbed.py) from host microbenchmarks.
+
+The testbed runs the trainer on two ranks, each pinned to its own core with one thread,
+over a veth link shaped by tc to an emulated rate and latency, in float32 with torch's
+SDPA attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (1f1b,
+interleaved with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1,
+DP = 2). The prediction replays the same schedule with the costs of a HostCalibration of
+the same shape (layer forward / backward, embedding, head, optimizer step, timed by
+tools/host_calibration.py) and the emulated link (plus the host CPU a gloo byte costs,
+from tools/host_calibration.py's link probe): nothing is fitted to the testbed's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from megatron_weipipe.shape import ModelShape
+
+from .calibration import HostCalibration
+from .costs import from_calibration
+from .errors import SimulatorError, require
+from .hardware import CPU_HOST, Cluster, LinkSpec
+from .layout import Layout
+from .project import ScheduleResult, simulate_run
+from .run_spec import RunSpec
+
+TESTBED_SCHEDULES = ("1f1b", "interleaved", "weipipe-interleave", "weipipe-zb", "fsdp")
+BYTE_LEVEL_VOCAB = 259  # ByteLevelTokenizer: 256 bytes, EOD, PAD, BOS (the testbed's --tokenizer-type)
+
+
+@dataclass(frozen=True)
+class TestbedShape:
+    """The testbed's model (bench/link_testbed.py's defaults)."""
+
+    layers: int = 2
+    hidden: int = 32
+    heads: int = 2
+    microbatches: int = 4  # per iteration, micro-batch 1 (the global batch)
+    vocab_size: int = BYTE_LEVEL_VOCAB
+
+    def model(self, seq: int) -> ModelShape:
+        return ModelShape(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
+                          seq_length=seq, micro_batch_size=1, vocab_size=self.vocab_size,
+                          position_embedding_type="rope", max_position_embeddings=seq)
+
+
+def testbed_spec(schedule: str, seq: int, shape: TestbedShape = TestbedShape()) -> RunSpec:
+    """The RunSpec of one testbed row (validated by the training rules)."""
+    require(schedule in TESTBED_SCHEDULES, f"testbed schedule {schedule!r} is not one of {', '.join(TESTBED_SCHEDULES)}")
+    layout = Layout(pp=1, dp=2) if schedule == "fsdp" else Layout(pp=2)
+    return RunSpec(shape=shape.model(seq), layout=layout, global_batch_size=shape.microbatches, schedule=schedule,
+                   virtual_stages=2, compute_bytes=4, attention_impl="unfused+flash", dropout=False,
+                   zero3=schedule == "fsdp").validate()
+
+
+def testbed_cluster(rate_bytes_s: float, latency_s: float, cpu_s_per_byte: float = 0.0) -> Cluster:
+    """Two ranks with a core each, joined by the emulated link."""
+    require(rate_bytes_s > 0 and latency_s >= 0, "the emulated link needs a positive rate and a latency >= 0")
+    link = LinkSpec("emulated", rate_bytes_s / 1e9, latency_s * 1e6, cpu_s_per_byte)
+    return Cluster(device=CPU_HOST, intra=link, inter=link, gpus_per_node=2).validate()
+
+
+def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s: float,
+                        calibration: HostCalibration, shape: TestbedShape = TestbedShape(),
+                        cpu_s_per_byte: Optional[float] = None) -> ScheduleResult:
+    """Predicted iteration (tokens/s, bytes) of one testbed row. ``calibration``: this host's
+    timings of the same model shape and sequence (any chunk size; chunks scale per layer)."""
+    spec = testbed_spec(schedule, seq, shape)
+    c = calibration.shape
+    if (c.hidden_size, c.num_attention_heads, c.seq_length) != (shape.hidden, shape.heads, seq):
+        raise SimulatorError(f"the calibration is of h={c.hidden_size} heads={c.num_attention_heads} "
+                             f"seq={c.seq_length}, the row of h={shape.hidden} heads={shape.heads} seq={seq}")
+    if cpu_s_per_byte is None:
+        cpu_s_per_byte = calibration.gloo_cpu_s_per_byte
+    costs = from_calibration(calibration, spec.layers_per_chunk, recompute=False, weight_pass="stored")
+    if calibration.optimizer_per_param <= 0:
+        costs = replace(costs, optimizer_per_param=0.0)
+    return simulate_run(spec, testbed_cluster(rate_bytes_s, latency_s, cpu_s_per_byte), costs)
+
+
+def order(values: dict) -> list:
+    """Schedules from fastest to slowest."""
+    return sorted(values, key=lambda k: -values[k])
+
+
+def compare_rows(rows: list[dict], predicted: dict) -> list[dict]:
+    """Measured vs predicted per row, and per (preset, seq) whether the schedules' order
+    (fastest first) is the same. ``predicted``: (preset, seq, schedule) -> tokens/s. The
+    row's compute seconds per iteration (``busy_s_per_rank``, slowest rank) ride along."""
+    groups: dict = {}
+    for r in rows:
+        key = (r["preset"], r["seq"], r["schedule"])
+        if r.get("tokens_per_s") and key in predicted:
+            busy = max(r["busy_s_per_rank"]) if r.get("busy_s_per_rank") else None
+            groups.setdefault(key[:2], {})[key[2]] = (r["tokens_per_s"], predicted[key], r.get("bytes_sent"), busy)
+    out = []
+    for (preset, seq), got in groups.items():
+        same = order({k: v[0] for k, v in got.items()}) == order({k: v[1] for k, v in got.items()})
+        for name, (measured, pred, sent, busy) in got.items():
+            out.append({"preset": preset, "seq": seq, "schedule": name, "measured": measured, "predicted": pred,
+                        "error": pred / measured - 1, "bytes_sent": sent, "order_matches": same,
+                        "computing_s": busy})
+    return out

@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Measured (bench/link_testbed.py --json) vs predicted tokens/s of every testbed row.
+
+    python tools/simulator_validation/testbed_compare.py --testbed-json rows.json \
+        [--flops HOST_FLOPS] [--calibration-dir DIR] [--repeats 3] [--measure-link] \
+        [--layers 2 --hidden 32 --heads 2 --microbatches 4]     # the testbed's shape flags
+
+The prediction (megatron_weipipe/simulator/testbed.py) uses only microbenchmarks of this
+host: one calibration per sequence length of the testbed's model (tools/host_calibration.py:
+layer forward / backward, embedding, head, optimizer step; saved in --calibration-dir and
+reused), the testbed's own preset arithmetic (bench/testbed_presets.py: emulated rate and
+latency from the host's matmul FLOP/s, --flops or measured the way the testbed measures
+it) and, with --measure-link, gloo's CPU cost per byte from the link probe. The measured
+rows are read, never fitted. Reads the `--json` list or a `--save` file (rows, the host
+FLOP/s the testbed scaled by, and its notes: without tc netem it shapes the rate alone,
+and the prediction then leaves the latency out, as `--no-latency` does). Per row: measured and predicted tokens/s, the error, bytes
+sent measured / predicted, and whether the order of the schedules (fastest first) at
+that preset and sequence is the same. Bad input: one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tools"))
+sys.path.insert(2, os.path.join(ROOT, "bench"))
+
+
+def calibration_for(seq: int, shape, directory: str, repeats: int):
+    """This host's timings of the testbed model at `seq` (a 1F1B stage's layers), cached."""
+    from megatron_weipipe.simulator import calibration as calib
+
+    path = os.path.join(directory, f"testbed-L{shape.layers}-h{shape.hidden}-a{shape.heads}-s{seq}.json")
+    if os.path.exists(path):
+        return calib.load(path)
+    import host_calibration
+
+    cal = host_calibration.calibrate(shape.model(seq), max(1, shape.layers // 2), repeats=repeats)
+    calib.save(cal, path)
+    return cal
+
+
+def table(compared: list[dict], predicted_bytes: dict, predicted_work: dict) -> str:
+    lines = ["| preset | seq | schedule | measured tokens/s | predicted | error | MiB sent/rank/iter measured / "
+             "predicted | computing s/iter measured / predicted (slowest rank) | order of schedules |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in compared:
+        key = (r["preset"], r["seq"], r["schedule"])
+        sent = "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 2**20:.2f}"
+        busy = "-" if r["computing_s"] is None else f"{r['computing_s']:.2f}"
+        lines.append(f"| {r['preset']} | {r['seq']} | {r['schedule']} | {r['measured']:.0f} | {r['predicted']:.0f} | "
+                     f"{r['error']:+.1%} | {sent} / {predicted_bytes[key] / 2**20:.2f} | "
+                     f"{busy} / {predicted_work[key]:.2f} | {'same' if r['order_matches'] else 'DIFFERS'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron_weipipe.simulator.errors import SimulatorError
+    from megatron_weipipe.simulator.testbed import TestbedShape, compare_rows, predict_testbed_row
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--testbed-json", help="bench/link_testbed.py --json output")
+    ap.add_argument("--predict", nargs="+", metavar="PRESET:SEQ",
+                    help="without --testbed-json: only the predicted rows of these presets and sequences")
+    ap.add_argument("--flops", type=float, default=None, help="host FLOP/s the testbed scaled by (default: measured)")
+    ap.add_argument("--calibration-dir", default="/tmp/testbed_calibrations")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--testbed-root", default=ROOT,
+                    help="the checkout whose bench/testbed_presets.py holds the presets (default: this one)")
+    ap.add_argument("--no-latency", action="store_true",
+                    help="the testbed shaped the rate alone (no tc netem): predict without the emulated latency "
+                         "(read from the notes of a --save file)")
+    ap.add_argument("--measure-link", action="store_true", help="probe gloo's CPU cost per byte here")
+    ap.add_argument("--layers", type=int, default=TestbedShape.layers, help="the testbed's --layers")
+    ap.add_argument("--hidden", type=int, default=TestbedShape.hidden, help="the testbed's --hidden")
+    ap.add_argument("--heads", type=int, default=TestbedShape.heads, help="the testbed's --heads")
+    ap.add_argument("--microbatches", type=int, default=4)
+    a = ap.parse_args(argv)
+    try:
+        no_latency = a.no_latency
+        if a.testbed_json:
+            with open(a.testbed_json) as f:
+                rows = json.load(f)
+            if isinstance(rows, dict) and "rows" in rows:  # --save's file: rows, the host FLOP/s, notes
+                a.flops = a.flops or rows.get("flops")
+                no_latency = no_latency or any("latency is not applied" in n for n in rows.get("notes", ()))
+                rows = rows["rows"]
+        elif a.predict:
+            from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES
+
+            names = [n for n in TESTBED_SCHEDULES if n != "interleaved" or a.layers % 4 == 0]
+            rows = [{"preset": ps.partition(":")[0], "seq": int(ps.partition(":")[2]), "schedule": n,
+                     "tokens_per_s": float("nan"), "bytes_sent": None} for ps in a.predict for n in names]
+        else:
+            raise SimulatorError("give --testbed-json FILE, or --predict PRESET:SEQ ...")
+        if not isinstance(rows, list) or not all({"preset", "seq", "schedule", "tokens_per_s"} <= set(r) for r in rows):
+            raise SimulatorError(f"{a.testbed_json}: not a list of rows with preset, seq, schedule, tokens_per_s")
+        sys.path.insert(0, os.path.join(a.testbed_root, "bench"))
+        try:
+            from testbed_presets import PRESETS, host_flops
+        except ImportError:
+            raise SimulatorError("bench/testbed_presets.py (the testbed's preset arithmetic) is not in this checkout")
+        flops = a.flops or host_flops()
+        cpb = 0.0
+        if a.measure_link:
+            import host_calibration
+
+            cpb = host_calibration.gloo_link().cpu_s_per_byte
+        shape = TestbedShape(a.layers, a.hidden, a.heads, a.microbatches)
+        os.makedirs(a.calibration_dir, exist_ok=True)
+        predicted, pbytes, pwork = {}, {}, {}
+        for r in rows:
+            if not r.get("tokens_per_s"):
+                continue
+            if r["preset"] not in PRESETS:
+                raise SimulatorError(f"row preset {r['preset']!r} is not one of {', '.join(PRESETS)}")
+            rate, latency = PRESETS[r["preset"]].emulated(flops)
+            latency = 0.0 if no_latency else latency
+            row_shape = TestbedShape(*(int(r.get(k, v)) for k, v in (
+                ("layers", shape.layers), ("hidden", shape.hidden), ("heads", shape.heads),
+                ("microbatches", shape.microbatches))))  # a row that states its shape wins over the flags
+            cal = calibration_for(r["seq"], row_shape, a.calibration_dir, a.repeats)
+            res = predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb)
+            key = (r["preset"], r["seq"], r["schedule"])
+            predicted[key] = res.tokens_per_s
+            pbytes[key] = max(sum(c.values()) for c in res.counter)
+            pwork[key] = max(res.work)
+    except (OSError, ValueError, SimulatorError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not a.testbed_json:
+        print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+        print("| preset | seq | schedule | predicted tokens/s | x 1F1B | MiB sent/rank/iter | computing s/iter |")
+        print("|---|---|---|---|---|---|---|")
+        for (preset, seq, name), tps in predicted.items():
+            print(f"| {preset} | {seq} | {name} | {tps:.0f} | {tps / predicted[(preset, seq, '1f1b')]:.2f} | "
+                  f"{pbytes[(preset, seq, name)] / 2**20:.2f} | {pwork[(preset, seq, name)]:.2f} |")
+        return 0
+    compared = compare_rows(rows, predicted)
+    print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {a.calibration_dir} (CPU seconds, one thread); "
+          f"gloo CPU {cpb * 1e9:.2f} ns per byte; emulated latency {'not applied' if no_latency else 'applied'}")
+    print(table(compared, pbytes, pwork))
+    errs = [abs(r["error"]) for r in compared]
+    if errs:
+        groups = {(r["preset"], r["seq"]): r["order_matches"] for r in compared}
+        print(f"\nrows: {len(errs)}; |error| median {sorted(errs)[len(errs) // 2]:.1%}, max {max(errs):.1%}; "
+              f"within 15%: {sum(e <= 0.15 for e in errs)}/{len(errs)}; order of schedules the same in "
+              f"{sum(groups.values())}/{len(groups)} (preset, seq) groups")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
