@@ -38,7 +38,8 @@ def test_settings_carry_the_stated_flags():
               "--recompute-granularity full", "--use-distributed-optimizer", "--seq-length 2097152",
               "--num-query-groups 8", "--ffn-hidden-size 14336", "--vocab-size 128256"):
         assert f in joined
-    assert "--use-torch-fsdp2" in " ".join(lct.headline_rows("fsdp2", 65536)["4m"][1])
+    fsdp = lct.headline_rows("fsdp2", 65536)["4m"][1]
+    assert "--use-torch-fsdp2" in fsdp and "--bf16" not in fsdp and "--use-distributed-optimizer" not in fsdp
     flags, world, att = lct.small_setting("plain+flash", 4096)
     assert world == 1 and att == "flash" and "--context-parallel-size" not in flags
     flags, world, att = lct.small_setting("fpdt+offload", 4096)
@@ -47,7 +48,7 @@ def test_settings_carry_the_stated_flags():
 
 def test_one_real_dry_run_row():
     flags, world, att = lct.small_setting("fpdt+offload", 1024)
-    r = lct.dry_run(flags, world, att, timeout=240)
+    r = lct.dry_run(flags, world, att, timeout=600)
     assert r["world"] == 2 and r["command"].startswith("python tools/dry_run.py ")
     assert r["host_bytes"] > 0  # the layer inputs and FPDT chunks went to the host pools
     # h=256, 4 layers, byte-level vocab padded to 384: parameters bf16 on the accelerator

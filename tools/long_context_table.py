@@ -169,6 +169,8 @@ def bisect_longest(fits, start: int, refine: int = 8, limit: int = 1 << 26):
 
 def headline_rows(sharding: str, chunk: int) -> dict:
     base = LLAMA3_8B + RECOMPUTE_OFFLOAD + SHARDING[sharding]
+    if sharding == "fsdp2":  # FSDP2 runs in float32 here (config.py refuses --bf16 with it)
+        base = [f for f in base if f != "--bf16"]
     return {
         "2m": ("8B, 2M tokens, 4 ranks", base + seq_flags(1 << 21) + fpdt_flags(1 << 21, 4, chunk), 4),
         "4m": ("8B, 4M tokens, 8 ranks", base + seq_flags(1 << 22) + fpdt_flags(1 << 22, 8, 2 * chunk), 8),
