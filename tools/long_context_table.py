@@ -119,7 +119,12 @@ def scaled_run(flags: list[str], world: int, layers: int, probes=(1, 2, 3), atte
         _put(out, key, last + diffs.pop() * (layers - probes[-1]) // step)
     out["wall_s"] = round(sum(r["wall_s"] for r in runs), 1)
     out["command"] = show(command(flags, world, attention))
-    out["scaling"] = {"probes": list(probes), "inexact": inexact, "commands": [r["command"] for r in runs]}
+    out["scaling"] = {"probes": list(probes), "inexact": inexact, "commands": [r["command"] for r in runs],
+                      "figures": [{k: r[k] for k in ("peak_accelerator_bytes", "host_bytes", "sent_bytes")}
+                                  | {"activations": r["categories"]["activations"]} for r in runs]}
+    if "peak_accelerator_bytes" in inexact:  # state scaled exactly + the last probe's other roles at its peak
+        out["peak_accelerator_bytes"] = sum(out["categories"].values())
+        out["scaling"]["peak_composed"] = True
     return out
 
 
@@ -189,8 +194,17 @@ def row_lines(name: str, r: dict, budget: float) -> list[str]:
             f"{'yes' if per_node <= NODE_RAM else 'no'} | {r['sent_bytes'] / GB:.1f} GB "
             f"({e['sent_bytes'] / GB:.1f} GB) | {fits} (largest: {top}) | {r['wall_s']:.0f} s |",
             f"  `{r['command']}`"] + ([
-            f"  (scaled to 32 layers from dry runs of {r['scaling']['probes']} layers; "
-            f"not exactly affine, so not scaled: {r['scaling']['inexact'] or 'none'})"] if "scaling" in r else [])
+            f"  (scaled to 32 layers from dry runs of {r['scaling']['probes']} layers; not exactly affine, so "
+            f"taken from the last probe: {r['scaling']['inexact'] or 'none'}; per probe (peak, activations, "
+            f"host, sent GB): {_probe_figures(r)}"
+            + ("; peak = the scaled state + the last probe's other roles at its peak" if
+               r["scaling"].get("peak_composed") else "") + ")"] if "scaling" in r else [])
+
+
+def _probe_figures(r: dict) -> str:
+    return ", ".join("(" + " / ".join(f"{f[k] / GB:.1f}" for k in ("peak_accelerator_bytes", "activations",
+                                                                     "host_bytes", "sent_bytes")) + ")"
+                     for f in r["scaling"]["figures"])
 
 
 HEAD = ("| setting | accelerator peak, dry run | estimator | per role, GB: dry run (estimator) | host per rank "
@@ -275,7 +289,12 @@ def longest_small(kind: str, budget: float, start: int, refine: int, timeout: fl
         seen[s] = dry_run(flags, world, att, timeout=timeout)
         return seen[s]["peak_accelerator_bytes"] <= budget
 
-    ok, bad, trace = bisect_longest(fits, start, refine)
+    try:
+        ok, bad, trace = bisect_longest(fits, start, refine)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:  # one failed row does not lose the others
+        return {"kind": kind, "error": str(e), "longest": 0, "first_bad": None, "trace": [], "at_ok": None,
+                "at_bad": None, "wall_s": 0}
+    print(json.dumps({"kind": kind, "longest": ok, "first_bad": bad, "trace": trace}), file=sys.stderr, flush=True)
     return {"kind": kind, "longest": ok, "first_bad": bad, "trace": trace, "at_ok": seen.get(ok),
             "at_bad": seen.get(bad), "wall_s": round(sum(r["wall_s"] for r in seen.values()), 1)}
 
@@ -290,6 +309,9 @@ def cmd_small(a) -> int:
     print("| attention | longest S | first S over | peak at longest (GB) | largest role at first over | "
           "probes | dry-run wall (all probes) |\n|---|---|---|---|---|---|---|")
     for r in res:
+        if "error" in r:
+            print(f"| {r['kind']} | dry run failed: {r['error'].splitlines()[0]} | | | | | |")
+            continue
         ok, bad = r["at_ok"], r["at_bad"]
         top = (max(CATS, key=lambda c: bad["categories"][c]) + f" {bad['categories'][max(CATS, key=lambda c: bad['categories'][c])] / GB:.2f} GB") if bad else "-"
         print(f"| {r['kind']} | {r['longest']} | {r['first_bad']} | "
