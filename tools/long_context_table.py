@@ -39,7 +39,8 @@ LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --grou
              "--micro-batch-size 1 --global-batch-size 1 --lr 1e-4 --train-iters 1").split()
 RECOMPUTE_OFFLOAD = "--recompute-granularity full --recompute-method uniform --offload-layer-inputs".split()
 SHARDING = {"dist-opt": ["--use-distributed-optimizer"], "fsdp2": ["--use-torch-fsdp2"], "none": []}
-SMALL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --tokenizer-type ByteLevelTokenizer "
+SMALL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --position-embedding-type rope "
+         "--tokenizer-type ByteLevelTokenizer "
          "--mock-data --hidden-dropout 0 --attention-dropout 0 --bf16 --micro-batch-size 1 "
          "--global-batch-size 1 --lr 1e-4 --train-iters 1").split()
 
