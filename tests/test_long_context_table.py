@@ -1,0 +1,58 @@
+"""tools/long_context_table.py: the bisection on known monotone functions, the settings'
+flags, and one real (tiny) dry-run row."""
+
+import pytest
+
+import long_context_table as lct
+
+
+@pytest.mark.parametrize("limit_fit, start", [(5000, 1024), (5000, 65536), (4096, 4096), (300000, 4096)])
+def test_bisection_finds_the_longest_on_the_grid(limit_fit, start):
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= limit_fit
+
+    ok, bad, trace = lct.bisect_longest(fits, start, refine=8)
+    assert ok <= limit_fit < bad
+    # the bracket is one grid step (lower power of two / 8) wide, and every probe was recorded
+    lower = 1 << (ok.bit_length() - 1)
+    assert bad - ok <= max(1, lower // 8)
+    assert trace == [(n, n <= limit_fit) for n in calls]
+    assert len(set(calls)) == len(calls)
+
+
+def test_bisection_with_nothing_fitting_and_everything_fitting():
+    ok, bad, trace = lct.bisect_longest(lambda n: False, 1024)
+    assert ok == 0 and bad == 64 and len(trace) == 5  # halves to start / 16, then gives up
+    ok, bad, _ = lct.bisect_longest(lambda n: True, 1024, limit=8192)
+    assert (ok, bad) == (8192, None)
+
+
+def test_settings_carry_the_stated_flags():
+    flags, world, _ = lct.headline_rows("dist-opt", 65536)["2m"][1:] + (None,)
+    assert world == 4
+    joined = " ".join(flags)
+    for f in ("--context-parallel-size 4", "--fpdt-chunk-size 65536", "--fpdt-offload", "--offload-layer-inputs",
+              "--recompute-granularity full", "--use-distributed-optimizer", "--seq-length 2097152",
+              "--num-query-groups 8", "--ffn-hidden-size 14336", "--vocab-size 128256"):
+        assert f in joined
+    fsdp = lct.headline_rows("fsdp2", 65536)["4m"][1]
+    assert "--use-torch-fsdp2" in fsdp and "--bf16" not in fsdp and "--use-distributed-optimizer" not in fsdp
+    flags, world, att = lct.small_setting("plain+flash", 4096)
+    assert world == 1 and att == "flash" and "--context-parallel-size" not in flags
+    flags, world, att = lct.small_setting("fpdt+offload", 4096)
+    assert world == 2 and att == "local" and "--offload-layer-inputs" in flags and "512" in flags
+
+
+def test_one_real_dry_run_row():
+    flags, world, att = lct.small_setting("fpdt+offload", 1024)
+    r = lct.dry_run(flags, world, att, timeout=600)
+    assert r["world"] == 2 and r["command"].startswith("python tools/dry_run.py ")
+    assert r["host_bytes"] > 0  # the layer inputs and FPDT chunks went to the host pools
+    # h=256, 4 layers, byte-level vocab padded to 384: parameters bf16 on the accelerator
+    assert 0 < r["categories"]["parameters"] < 20e6 < r["peak_accelerator_bytes"] < 2e9
+    line, cmd = lct.row_lines("tiny", r, budget=2e9)
+    assert "| yes (largest:" in line and cmd.strip().startswith("`python tools/dry_run.py")
+    assert "| no (largest:" in lct.row_lines("tiny", r, budget=r["peak_accelerator_bytes"] - 1)[0]
