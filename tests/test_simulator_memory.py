@@ -31,7 +31,7 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _measure(shape: ModelShape, dropout: float) -> dict:
+def _measure(shape: ModelShape, dropout: float, backend: str = "unfused") -> dict:
     from megatron.core.distributed import DistributedDataParallel
 
     from megatron_weipipe.model.gpt import build_gpt_model
@@ -40,6 +40,7 @@ def _measure(shape: ModelShape, dropout: float) -> dict:
 
     cfg = pretrain_config_for(shape, shape.num_layers)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = dropout
+    cfg.model.attention_backend = backend  # unfused: megatron-core's s x s path; flash: torch's fused kernel
     with single_process_megatron(cfg):
         model = build_gpt_model(cfg, shape.padded_vocab(), pre_process=True, post_process=True)
         params = list(model.parameters())
@@ -73,7 +74,9 @@ def _measure(shape: ModelShape, dropout: float) -> dict:
 
 @pytest.fixture(scope="module")
 def measured():
-    return {(name, d): _measure(shape, d) for name, shape in (("gpt", GPT), ("llama", LLAMA)) for d in (0.0, 0.1)}
+    out = {(name, d): _measure(shape, d) for name, shape in (("gpt", GPT), ("llama", LLAMA)) for d in (0.0, 0.1)}
+    out.update({(name, "flash"): _measure(shape, 0.0, "flash") for name, shape in (("gpt", GPT), ("llama", LLAMA))})
+    return out
 
 
 @pytest.mark.parametrize("name,shape", [("gpt", GPT), ("llama", LLAMA)])
@@ -96,6 +99,15 @@ def test_activation_bytes_within_ten_percent(measured, name, shape, dropout):
     opts = memory.ActivationOptions(impl="unfused", dtype_bytes=4, dropout=dropout > 0)
     est = shape.num_layers * memory.layer_activation_bytes(shape, opts)
     assert est == pytest.approx(measured[(name, dropout)]["activation_bytes"], rel=0.10)
+
+
+@pytest.mark.parametrize("name,shape", [("gpt", GPT), ("llama", LLAMA)])
+def test_activation_bytes_with_the_fused_cpu_attention_within_ten_percent(measured, name, shape):
+    """--attention-backend flash (the CPU default): local layers with torch's fused core."""
+    opts = memory.ActivationOptions(impl="unfused", dtype_bytes=4, dropout=False, flash_attention=True)
+    est = shape.num_layers * memory.layer_activation_bytes(shape, opts)
+    assert est == pytest.approx(measured[(name, "flash")]["activation_bytes"], rel=0.10)
+    assert measured[(name, "flash")]["activation_bytes"] < measured[(name, 0.0)]["activation_bytes"]
 
 
 @pytest.mark.parametrize("P,N", [(2, 4), (4, 8), (4, 2)])
