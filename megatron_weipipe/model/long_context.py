@@ -48,7 +48,8 @@ class LongContextSettings:
     # module of this model, made on the first offloaded call (pinned on CUDA). Each
     # forward/backward pair gives its buffers back only after their last use, so layers
     # take turns with the same buffers: under full recomputation the pool holds one
-    # layer's set, without it the largest set live at once (simulator/fpdt.py).
+    # layer's set, without it the largest set live at once (simulator/memory.py
+    # shared_pool_bytes).
     host_pool: Optional[HostBufferPool] = None
 
     def shared_pool(self, device_is_cuda: bool) -> HostBufferPool:
