@@ -1,9 +1,14 @@
 """Where FPDT keeps per-chunk state between the forward and the backward.
 
-``HostBufferPool`` owns host buffers (pinned on CUDA) for one layer. They are allocated
-the first time a (shape, dtype) is needed and handed back when a forward/backward pair
-ends, so later iterations (and later micro-batches of a pipeline schedule, which each
-take their own set while in flight) reuse them instead of allocating.
+``HostBufferPool`` owns host buffers (pinned on CUDA). The model shares one among all
+its attention layers (model/long_context.py). Buffers are allocated the first time a
+(shape, dtype) is needed with none free, and a ``ChunkStore`` hands each back only after
+its last use (``drop`` / ``close``), so later layers, iterations and micro-batches reuse
+them: the pool grows to the most buffers live at once. Every host copy into or out of a
+pool's buffers runs on the pool's one side stream, so a buffer given back while a copy
+from it is still queued is only overwritten after that copy (stream order); sharing the
+stream across layers puts all their copies, both directions, in one queue (a layer's
+own already were) but keeps them overlapping compute.
 
 ``ChunkStore`` is the state of one forward/backward pair. Tensors are grouped into named
 streams (e.g. "kv" holds k and v of each chunk); ``put`` records a chunk's tensors,
@@ -55,7 +60,7 @@ class HostBufferPool:
         self.allocated_bytes = 0
 
     def side_stream(self, device: torch.device):
-        """The one copy stream of this layer on ``device`` (created once)."""
+        """The one copy stream of this pool on ``device`` (created once)."""
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]

@@ -45,6 +45,18 @@ class LongContextSettings:
     num_chunks: int  # u: FPDT chunks (1 for plain Ulysses)
     fpdt: Optional[FPDTConfig]
     eod_token: Optional[int] = None  # --reset-attention-mask: documents end after this token
+    # --fpdt-offload: the one HostBufferPool (and side copy stream) of every attention
+    # module of this model, made on the first offloaded call (pinned on CUDA). Each
+    # forward/backward pair gives its buffers back only after their last use, so layers
+    # take turns with the same buffers: under full recomputation the pool holds one
+    # layer's set, without it the largest set live at once (simulator/memory.py
+    # shared_pool_bytes).
+    host_pool: Optional[HostBufferPool] = None
+
+    def shared_pool(self, device_is_cuda: bool) -> HostBufferPool:
+        if self.host_pool is None:
+            self.host_pool = HostBufferPool(pin_memory=device_is_cuda)
+        return self.host_pool
 
 
 def uses_long_context(cfg: PretrainConfig) -> bool:
@@ -107,7 +119,6 @@ def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfi
             tp = 1 if settings.tp_group is None else torch.distributed.get_world_size(settings.tp_group)
             self.spec = attention_spec_from_megatron(config, tp, rotary=rotary)
             self.spec.validate(settings.cp_size)
-            self.pool = None
             self.offload_stats = OffloadStats()
 
         def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **unused):
@@ -121,15 +132,19 @@ def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfi
                     self.spec, settings.cp_group, settings.tp_group, documents=attention_mask,
                 )
             else:
-                if settings.fpdt.offload and self.pool is None:
-                    self.pool = HostBufferPool(pin_memory=hidden_states.is_cuda)
+                pool = settings.shared_pool(hidden_states.is_cuda) if settings.fpdt.offload else None
                 out = fpdt_attention(
                     hidden_states, self.linear_qkv.weight, qkv_bias, self.linear_proj.weight, None,
                     self.spec, settings.fpdt, settings.cp_group, settings.tp_group,
-                    pool=self.pool, stats=self.offload_stats, num_chunks=settings.num_chunks,
+                    pool=pool, stats=self.offload_stats, num_chunks=settings.num_chunks,
                     documents=attention_mask,
                 )
             return out, self.linear_proj.bias
+
+        @property
+        def pool(self) -> Optional[HostBufferPool]:
+            """The model's shared host pool (None until the first offloaded call)."""
+            return settings.host_pool
 
     return LongContextSelfAttention
 

@@ -48,7 +48,7 @@ class FPDTReport:
     backward_block_compute_s: float
     backward_block_fetch_s: float  # q, o, lse, do, dq of one chunk, both ways
     exposed_s_per_layer: float  # fetch time not hidden behind compute, forward + backward
-    pool_bytes_per_layer: float = 0.0  # one layer's HostBufferPool after one forward/backward pair
+    pool_bytes_per_layer: float = 0.0  # host buffers one layer's forward/backward pair takes
     pool_backward_bytes: float = 0.0  # ... of which the backward's own (do, dq): one set, reused
     resident_chunk_bytes: float = 0.0  # chunks prefetched back to the device at once (offload)
 
@@ -101,18 +101,18 @@ def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp:
 
 def offload_bytes(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
                   dtype_bytes: int = 2) -> tuple[float, float, float]:
-    """What fpdt/attention.py puts in one layer's HostBufferPool over one forward/backward
-    pair (the pool keeps every buffer for reuse), and the most chunk state its ChunkStore
+    """What fpdt/attention.py takes from the model's shared HostBufferPool over one layer's
+    forward/backward pair (memory.shared_pool_bytes: how many pairs are live at once), and the most chunk state its ChunkStore
     holds on the device at once. Per chunk (C tokens after the all-to-all, L = C/P before):
     the input x and the output o in sequence layout (L x h and L x a d), k and v, q, o, do
     in head layout, the fp32 log-sum-exp; dq of the later query chunks, first in the
     kernel's dtype (u - 1 buffers) and from the second KV chunk on as the fp32 sum (u - 2).
     On the device in the backward: x of two chunks (the previous one's weight gradient
     runs after this chunk's inner loop), k and v of one chunk, and q, o, lse, do, dq of
-    two query chunks (double buffering). Returns (pool, its backward-only part, device).
-    Backwards of one layer run one at a time, so with several microbatches in flight the
-    pool holds each one's forward buffers and one set of backward buffers (do takes the
-    buffers a finished backward returned)."""
+    two query chunks (double buffering). Returns (pair, its backward-only part, device).
+    Backwards run one at a time, so with several layers or microbatches in flight the
+    pool holds each one's forward buffers and one set of backward buffers (a backward
+    takes the buffers a finished one returned)."""
     u = spec.num_chunks(shape.seq_length)
     b, h, d, e = shape.micro_batch_size, shape.hidden_size, shape.head_dim, dtype_bytes
     a, g = shape.num_attention_heads / tp / cp, shape.groups / tp / cp

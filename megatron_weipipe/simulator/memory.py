@@ -190,8 +190,8 @@ def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[in
 
 def pool_sets(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ...]:
     """Per rank, the sum over its model chunks of the most microbatches each chunk had in
-    flight at once: how many forward sets per-module pools (FPDT's host pools) keep, as
-    each pool stays at its own peak."""
+    flight at once: how many forward sets the chunks' own host pools (FPDT offload: one
+    per built model, so one per virtual pipeline stage) keep, as each stays at its peak."""
     out = []
     for acts in schedule.ranks:
         live: dict = {}
@@ -206,6 +206,29 @@ def pool_sets(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ..
                 live.get(a.chunk, set()).discard(a.mb)
         out.append(sum(peak.values()))
     return tuple(out)
+
+
+def model_chunks(schedule: Schedule, rank: int) -> int:
+    """How many model chunks (virtual pipeline stages) ``rank`` runs."""
+    return max(1, len({a.chunk for a in schedule.ranks[rank]}))
+
+
+def shared_pool_bytes(forward: float, backward: float, layers: int, *, recompute: bool, weipipe: bool,
+                      in_flight: int, chunk_sets: int, models: int) -> float:
+    """Host bytes of FPDT offload's pools, each shared by a built model's attention layers
+    and as large as the most buffers live in it at once. ``forward``/``backward``: one
+    layer's forward set and its backward-only extra; ``layers`` per chunk.
+    Full recomputation: one layer's pair per pool (Megatron recomputes one layer at a
+    time: models x (forward + backward)); WeiPipe recomputes a whole chunk before its
+    backward: layers x forward + backward. Without it: every in-flight (microbatch,
+    chunk)'s forward sets plus one backward set, the finished backwards' buffers taken
+    again: WeiPipe (one model) in_flight x layers x forward + backward, Megatron
+    chunk_sets x layers x forward + models x backward (per-chunk pools at their peaks)."""
+    if weipipe:
+        return (layers if recompute else in_flight * layers) * forward + backward
+    if recompute:
+        return models * (forward + backward)
+    return chunk_sets * layers * forward + models * backward
 
 
 @dataclass(frozen=True)
@@ -298,7 +321,7 @@ class RankMemory:
     activations: float
     buffers: float  # WeiPipe circulating weights/gradients, runtime flat copies
     transient: float  # the largest short-lived allocation (logits, one recomputed chunk)
-    host: float = 0.0  # offload's host buffers (FPDT's per-layer pools)
+    host: float = 0.0  # offload's host buffers (FPDT's pool, shared by a model's layers)
     chunk_state: float = 0.0  # FPDT chunks brought back from the host (offload)
 
     @property

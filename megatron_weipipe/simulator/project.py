@@ -252,12 +252,12 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
             if spec.is_weipipe or r == lay.pp - 1:
                 transient = max(transient, logits)  # the loss's backward runs before any layer's
             if fp is not None and spec.fpdt.offload:
-                # one HostBufferPool per attention module, as large as the most forward/backward
-                # pairs it had open at once (one under recomputation: the first forward keeps nothing)
+                # one HostBufferPool per built model (model/long_context.py), shared by its
+                # attention layers: it grows to the most buffers live at once
                 forward = fp.pool_bytes_per_layer - fp.pool_backward_bytes
-                sets = in_flight[r] if spec.is_weipipe else pools[r]  # WeiPipe: one chunk's modules serve all
-                host = (fp.pool_bytes_per_layer * spec.rank_layers(r) if spec.recompute else
-                        forward * sets * k + fp.pool_backward_bytes * spec.rank_layers(r))
+                host = memory.shared_pool_bytes(forward, fp.pool_backward_bytes, k, recompute=spec.recompute,
+                                                weipipe=spec.is_weipipe, in_flight=in_flight[r], chunk_sets=pools[r],
+                                                models=memory.model_chunks(schedule, r))
                 chunk_state = fp.resident_chunk_bytes
         elif spec.recompute:
             # Megatron checkpoints every layer (uniform, one layer per unit) and recomputes one
