@@ -16,13 +16,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/harness: the spawn helper of the tests
 
 import torch  # noqa: E402
 
+import fpdt_util  # noqa: E402
 from harness import run_distributed  # noqa: E402
 
 
@@ -49,15 +49,9 @@ def _rank(rank, world, args):
         return lambda: fpdt_attention(x, wq, None, wp, None, spec, cfg, group, pool=pool).backward(dy)
 
     def timed(fn):
-        if group is not None:
-            dist.barrier(group)
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        if group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        t = fpdt_util.timed(fn, group)
         x.grad = wq.grad = wp.grad = None
-        return t.item()
+        return t
 
     variants = {u: fpdt(u) for u in args.chunks}
     for fn in [ulysses] + list(variants.values()):  # warm-up

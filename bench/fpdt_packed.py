@@ -18,13 +18,13 @@ import os
 import random
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import torch  # noqa: E402
 
+import fpdt_util  # noqa: E402
 from harness import run_distributed  # noqa: E402
 
 
@@ -66,15 +66,9 @@ def _rank(rank, world, args):
         return fn
 
     def timed(fn):
-        if group is not None:
-            dist.barrier(group)
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        if group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        t = fpdt_util.timed(fn, group)
         x.grad = wq.grad = wp.grad = None
-        return t.item()
+        return t
 
     times = {}
     for chunk in args.chunks:

@@ -102,6 +102,22 @@ def layer_flops(seq: int, shape: LayerShape) -> float:
     return 6.0 * seq * shape.batch * weights + attention_flops(seq, shape.batch, shape.heads, shape.head_dim)
 
 
+def timed(fn, group=None) -> float:
+    """Seconds ``fn()`` takes, the slowest rank's when ``group`` is given (barrier first)."""
+    import time
+
+    import torch.distributed as dist
+
+    if group is not None:
+        dist.barrier(group)
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
 def rss_bytes() -> int:
     """Current resident set of this process."""
     with open(f"/proc/{os.getpid()}/statm") as f:

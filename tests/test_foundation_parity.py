@@ -8,24 +8,10 @@ import numpy as np
 import pytest
 
 from harness import run_distributed
-from harness.runs import tiny_gpt_args, train_and_collect
-from harness.state import assemble, max_relative_difference
+from harness.runs import merge_ranks, tiny_gpt_args, train_many
+from harness.state import max_relative_difference
 
 RTOL = 1e-6
-
-
-def _run_many(rank, world_size, argvs):
-    return [train_and_collect(rank, world_size, argv) for argv in argvs]
-
-
-def _merge(per_rank_results, index):
-    runs = [r[index] for r in per_rank_results]
-    return {
-        "losses": runs[0]["losses"],
-        "loss_sets": [r["losses"] for r in runs],
-        "grads": {it: assemble(r["grads"][it] for r in runs) for it in runs[0]["grads"]},
-        "params": assemble(r["params"] for r in runs),
-    }
 
 
 # These tests compare parallel layouts, so every run (the reference too) uses megatron-core's
@@ -39,8 +25,8 @@ BACKEND = "unfused"
 @pytest.fixture(scope="module")
 def reference():
     argv = tiny_gpt_args(make_vocab_size_divisible_by=512, attention_backend=BACKEND)
-    per_rank = run_distributed(_run_many, 1, [argv], timeout=300)
-    return _merge(per_rank, 0)
+    per_rank = run_distributed(train_many, 1, [argv], timeout=300)
+    return merge_ranks(per_rank, 0)
 
 
 LAYOUTS_2 = {
@@ -63,14 +49,14 @@ def _argv(overrides):
 
 @pytest.fixture(scope="module")
 def world2_runs():
-    per_rank = run_distributed(_run_many, 2, [_argv(o) for o in LAYOUTS_2.values()], timeout=600)
-    return {name: _merge(per_rank, i) for i, name in enumerate(LAYOUTS_2)}
+    per_rank = run_distributed(train_many, 2, [_argv(o) for o in LAYOUTS_2.values()], timeout=600)
+    return {name: merge_ranks(per_rank, i) for i, name in enumerate(LAYOUTS_2)}
 
 
 @pytest.fixture(scope="module")
 def world4_runs():
-    per_rank = run_distributed(_run_many, 4, [_argv(o) for o in LAYOUTS_4.values()], timeout=600)
-    return {name: _merge(per_rank, i) for i, name in enumerate(LAYOUTS_4)}
+    per_rank = run_distributed(train_many, 4, [_argv(o) for o in LAYOUTS_4.values()], timeout=600)
+    return {name: merge_ranks(per_rank, i) for i, name in enumerate(LAYOUTS_4)}
 
 
 def _check(run, reference):
@@ -102,8 +88,8 @@ def test_world4_layout_matches_reference(layout, world4_runs, reference):
 
 def test_comparison_detects_a_changed_seed(reference):
     """The comparison is not vacuous: a different seed gives different parameters."""
-    per_rank = run_distributed(_run_many, 1, [tiny_gpt_args(make_vocab_size_divisible_by=512, seed=99, train_iters=1)],
+    per_rank = run_distributed(train_many, 1, [tiny_gpt_args(make_vocab_size_divisible_by=512, seed=99, train_iters=1)],
                                timeout=300)
-    other = _merge(per_rank, 0)
+    other = merge_ranks(per_rank, 0)
     rel, _ = max_relative_difference(other["grads"][1], reference["grads"][1])
     assert rel > 1e-2

@@ -11,8 +11,8 @@ import pytest
 from megatron_weipipe.config import ConfigError
 from megatron_weipipe.arguments import parse_config
 from harness import run_distributed
-from harness.runs import tiny_gpt_args, train_and_collect
-from harness.state import assemble, max_relative_difference
+from harness.runs import merge_ranks, tiny_gpt_args, train_many
+from harness.state import max_relative_difference
 
 RTOL = 1e-5
 
@@ -29,22 +29,9 @@ def _args(**overrides):
     return tiny_gpt_args(**flags)
 
 
-def _run_many(rank, world_size, argvs):
-    return [train_and_collect(rank, world_size, argv) for argv in argvs]
-
-
-def _merge(per_rank, index):
-    runs = [r[index] for r in per_rank]
-    return {
-        "losses": runs[0]["losses"],
-        "grads": {it: assemble(r["grads"][it] for r in runs) for it in runs[0]["grads"]},
-        "params": assemble(r["params"] for r in runs),
-    }
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return _merge(run_distributed(_run_many, 1, [_args()], timeout=300), 0)
+    return merge_ranks(run_distributed(train_many, 1, [_args()], timeout=300), 0)
 
 
 WORLD2 = {
@@ -70,14 +57,14 @@ def _clean(overrides):
 
 @pytest.fixture(scope="module")
 def world2():
-    per_rank = run_distributed(_run_many, 2, [_args(**_clean(o)) for o in WORLD2.values()], timeout=600)
-    return {name: _merge(per_rank, i) for i, name in enumerate(WORLD2)}
+    per_rank = run_distributed(train_many, 2, [_args(**_clean(o)) for o in WORLD2.values()], timeout=600)
+    return {name: merge_ranks(per_rank, i) for i, name in enumerate(WORLD2)}
 
 
 @pytest.fixture(scope="module")
 def world4():
-    per_rank = run_distributed(_run_many, 4, [_args(**_clean(o)) for o in WORLD4.values()], timeout=600)
-    return {name: _merge(per_rank, i) for i, name in enumerate(WORLD4)}
+    per_rank = run_distributed(train_many, 4, [_args(**_clean(o)) for o in WORLD4.values()], timeout=600)
+    return {name: merge_ranks(per_rank, i) for i, name in enumerate(WORLD4)}
 
 
 def _check(run, reference):

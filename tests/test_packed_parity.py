@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.runs import SAMPLE_DATA, tiny_gpt_args, train_and_collect
-from harness.state import assemble, max_relative_difference
+from harness.runs import SAMPLE_DATA, merge_ranks, tiny_gpt_args, train_many
+from harness.state import max_relative_difference
 
 RTOL = 1e-5
 EOD = 256  # ByteLevelTokenizer
@@ -77,33 +77,19 @@ def _docs_per_sample(argv, world_size):
     return [int((train[i]["tokens"] == EOD).sum()) for i in range(12)], "attention_mask" in train[0]
 
 
-def _run_many(rank, world_size, argvs):
-    return [train_and_collect(rank, world_size, argv) for argv in argvs]
-
-
-def _merge(per_rank, index):
-    runs = [r[index] for r in per_rank]
-    return {
-        "losses": runs[0]["losses"],
-        "grad_norms": runs[0]["grad_norms"],
-        "grads": {it: assemble(r["grads"][it] for r in runs) for it in runs[0]["grads"]},
-        "params": assemble(r["params"] for r in runs),
-    }
-
-
 @pytest.fixture(scope="module")
 def reference(short_docs):
     argvs = [_args(short_docs), _args(short_docs, packed=False), _args(short_docs, **ABSOLUTE)]
-    per_rank = run_distributed(_run_many, 1, argvs, timeout=300)
-    return _merge(per_rank, 0), _merge(per_rank, 1), _merge(per_rank, 2)
+    per_rank = run_distributed(train_many, 1, argvs, timeout=300)
+    return merge_ranks(per_rank, 0), merge_ranks(per_rank, 1), merge_ranks(per_rank, 2)
 
 
 @pytest.fixture(scope="module")
 def world2(short_docs):
     argvs = [_args(short_docs, **o) for o in RUNS.values()]
     argvs.append(_args(short_docs, **ABSOLUTE, **RUNS["fpdt-cp2-4chunks"]))
-    per_rank = run_distributed(_run_many, 2, argvs, timeout=600)
-    return {name: _merge(per_rank, i) for i, name in enumerate(list(RUNS) + ["fpdt-cp2-4chunks-absolute"])}
+    per_rank = run_distributed(train_many, 2, argvs, timeout=600)
+    return {name: merge_ranks(per_rank, i) for i, name in enumerate(list(RUNS) + ["fpdt-cp2-4chunks-absolute"])}
 
 
 def test_samples_hold_several_documents(short_docs):

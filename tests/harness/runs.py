@@ -71,3 +71,23 @@ def train_and_collect(rank: int, world_size: int, argv: list[str], collect_grads
     parallel_state.destroy_model_parallel()  # keep the default group for the next run
     return result
 
+
+
+def train_many(rank: int, world_size: int, argvs: list[list[str]]) -> list[dict]:
+    """Several runs, one after another, in the same ranks (one spawn for a table of runs)."""
+    return [train_and_collect(rank, world_size, argv) for argv in argvs]
+
+
+def merge_ranks(per_rank: list[list[dict]], index: int) -> dict:
+    """Run ``index`` of train_many as one model: losses and grad norms of rank 0 (every rank's
+    losses in ``loss_sets``), gradients and parameters assembled from every rank's shards."""
+    from harness.state import assemble
+
+    runs = [r[index] for r in per_rank]
+    return {
+        "losses": runs[0]["losses"],
+        "grad_norms": runs[0]["grad_norms"],
+        "loss_sets": [r["losses"] for r in runs],
+        "grads": {it: assemble(r["grads"][it] for r in runs) for it in runs[0]["grads"]},
+        "params": assemble(r["params"] for r in runs),
+    }
