@@ -14,8 +14,8 @@ than by version number, so a patch release that backports a change needs nothing
 - parallel linear layers: 0.19 passes ``gtp_remat_size`` to the linear function
   (weight-rematerialisation sharding; 1 means off, the plain linear's math);
 - tokenizer base class: 0.16 has ``MegatronLegacyTokenizer`` in
-  ``megatron.core.datasets.megatron_tokenizer``; later releases move the tokenizers to
-  ``megatron.core.tokenizers`` and keep (or drop) a ``MegatronTokenizer`` there.
+  ``megatron.core.datasets.megatron_tokenizer``; 0.19 has ``MegatronTokenizerBase`` in
+  ``megatron.core.tokenizers``, which also asks for ``apply_chat_template``.
 
 Imports of megatron-core happen inside the functions: the configuration and the simulator
 import this package without torch.
