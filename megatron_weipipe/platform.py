@@ -100,9 +100,8 @@ def quiet_host_notices() -> None:
     """Silence what megatron-core and torch announce about the host rather than the run.
 
     Without TE/apex (or, from 0.19, absl-py), megatron-core warns of each fallback it
-    takes; a CUDA build of torch
-    on a host with a CUDA toolkit but no driver logs "No CUDA runtime is found" when
-    megatron-core imports ``torch.utils.cpp_extension``. Entry points call this first, so
+    takes; a CUDA build of torch on a host with a CUDA toolkit but no driver logs "No CUDA
+    runtime is found" when megatron-core imports ``torch.utils.cpp_extension``. Entry points call this first, so
     bad input stays one line on stderr. Nothing else from those loggers is dropped.
     """
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
