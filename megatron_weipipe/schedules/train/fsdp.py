@@ -43,22 +43,20 @@ def _counting_comms(counter: ByteCounter, group_size: int):
     """An all-gather and a reduce-scatter that count their bytes, then run FSDP2's default."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
+    def count(shard: torch.Tensor) -> None:  # what this rank sends (and receives) for one collective
+        n = fsdp_bytes(shard.numel() * shard.element_size(), group_size)
+        counter.add_sent(FSDP_KIND, n)
+        counter.add_received(FSDP_KIND, n)
 
     class CountedAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, *args, **kwargs):
-            n = fsdp_bytes(nbytes(input_tensor), group_size)
-            counter.add_sent(FSDP_KIND, n)
-            counter.add_received(FSDP_KIND, n)
+            count(input_tensor)
             with counter.uncounted():
                 return super().__call__(output_tensor, input_tensor, *args, **kwargs)
 
     class CountedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, *args, **kwargs):
-            n = fsdp_bytes(nbytes(output_tensor), group_size)
-            counter.add_sent(FSDP_KIND, n)
-            counter.add_received(FSDP_KIND, n)
+            count(output_tensor)
             with counter.uncounted():
                 return super().__call__(output_tensor, input_tensor, *args, **kwargs)
 
