@@ -203,6 +203,18 @@ def test_testbed_row_prediction_follows_the_link_and_the_costs():
         predict_testbed_row("1f1b", 2048, 1e9, 0.0, cal, _shape())
 
 
+def test_order_counts_only_pairs_the_rounds_separate():
+    from megatron_weipipe.simulator.testbed import order_matches
+
+    measured = {"a": (100.0, 95.0, 105.0), "b": (101.0, 99.0, 103.0), "c": (200.0, 190.0, 210.0)}
+    # a and b overlap: a tie either way; c is measured fastest and must be predicted so
+    assert order_matches(measured, {"a": 2.0, "b": 1.0, "c": 3.0})
+    assert order_matches(measured, {"a": 1.0, "b": 2.0, "c": 3.0})
+    assert not order_matches(measured, {"a": 1.0, "b": 4.0, "c": 3.0})
+    # single rounds: every pair is ordered by the measurement
+    assert not order_matches({"a": (1.0, 1.0, 1.0), "b": (1.01, 1.01, 1.01)}, {"a": 2.0, "b": 1.0})
+
+
 def test_testbed_compare_bad_input_is_one_line(tmp_path, capsys):
     from simulator_validation import testbed_compare
 

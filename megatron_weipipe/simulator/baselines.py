@@ -119,8 +119,7 @@ def floor_of(spec: RunSpec, one_f_one_b) -> dict:
     pipeline = max(one_f_one_b.trace.work)
     after = one_f_one_b.iteration_s - one_f_one_b.pipeline_s
     iteration = pipeline + after
-    lay, s = spec.layout, spec.shape
-    tokens = spec.global_batch_size * s.seq_length
+    tokens = spec.global_batch_size * spec.shape.seq_length
     mfu = None
     if one_f_one_b.mfu is not None:
         mfu = one_f_one_b.mfu * one_f_one_b.iteration_s / iteration

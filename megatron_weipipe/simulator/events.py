@@ -9,12 +9,10 @@ Two posting rules, one per runtime that executes these lists:
 - "async" (WeiPipeRuntime): a SEND is an isend posted where it stands and never waited
   until the end of the rank's list; the irecv of a RECV at tick t is posted when the
   rank starts its first action of tick t - lookahead, and the RECV waits for the data.
-- "blocking" (megatron-core's p2p with overlap off): consecutive SEND/RECV actions form
-  one call (send_forward_recv_backward and friends; a second action of the same flow
-  starts a new call), all posted together and all waited for before the rank goes on.
-  This rule fits the 1F1B timeline, whose order is megatron-core's call sequence. The
-  interleaved timeline's order is not (megatron-core combines both directions after a
-  forward and a backward there), so it is replayed with "async" posting.
+- "blocking" (megatron-core's p2p with overlap off, the trainer's setting): the
+  SEND/RECV actions form megatron-core's calls (schedules/plan/calls.py), for 1F1B and
+  interleaved 1F1B alike, each posted together and waited for, sends included, before
+  the rank computes again.
 
 A message moves once both its send and its receive are posted (NCCL and gloo both
 rendezvous), over the link between the two ranks; messages between the same pair in
@@ -54,7 +52,7 @@ class EventModel:
     duration: Callable[[Action], float]  # compute seconds of an action at full speed
     message_bytes: Callable[[Action], int]  # bytes of a SEND
     link: Callable[[int, int], LinkSpec]  # (sender rank, receiver rank) -> link
-    semantics: str = "async"  # "async" (WeiPipe runtime, interleaved timeline) or "blocking" (1F1B)
+    semantics: str = "async"  # "async" (WeiPipe runtime) or "blocking" (megatron-core's 1F1B and interleaved)
     lookahead: int = 1
     host_of: Optional[Callable[[int], int]] = None  # rank -> host, for processor sharing
     cores_per_host: Optional[float] = None

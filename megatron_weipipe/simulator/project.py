@@ -81,7 +81,7 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
         duration=_scaled(costs.duration(schedule), spec.kernel_efficiency),
         message_bytes=spec.message_bytes,
         link=lambda a, b: cluster.link(ring[a], ring[b]),
-        semantics="blocking" if spec.schedule in ("1f1b", "none") else "async",
+        semantics="blocking" if spec.schedule in ("1f1b", "interleaved", "none") else "async",
         lookahead=spec.lookahead,
         host_of=(lambda r: cluster.node(ring[r])) if cluster.cores_per_node else None,
         cores_per_host=cluster.cores_per_node,

@@ -84,20 +84,42 @@ def order(values: dict) -> list:
     return sorted(values, key=lambda k: -values[k])
 
 
+def separated(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two measured [min, max] ranges over rounds do not overlap: only then does
+    the measurement order the two schedules."""
+    return a[1] < b[0] or b[1] < a[0]
+
+
+def order_matches(measured: dict, predicted: dict) -> bool:
+    """Every pair of schedules that the measurement orders (``measured``: name -> (median,
+    min, max) tokens/s over rounds) is predicted in the same order. A pair whose rounds
+    overlap is a tie the measurement cannot break, and either predicted order agrees with it."""
+    names = list(measured)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if separated(measured[a][1:], measured[b][1:]) and \
+                    (measured[a][0] > measured[b][0]) != (predicted[a] > predicted[b]):
+                return False
+    return True
+
+
 def compare_rows(rows: list[dict], predicted: dict) -> list[dict]:
     """Measured vs predicted per row, and per (preset, seq) whether the schedules' order
-    (fastest first) is the same. ``predicted``: (preset, seq, schedule) -> tokens/s. The
-    row's compute seconds per iteration (``busy_s_per_rank``, slowest rank) ride along."""
+    (fastest first) is the same where the measurement orders them (`order_matches`).
+    ``predicted``: (preset, seq, schedule) -> tokens/s. The row's compute seconds per
+    iteration (``busy_s_per_rank``, slowest rank) ride along."""
     groups: dict = {}
     for r in rows:
         key = (r["preset"], r["seq"], r["schedule"])
         if r.get("tokens_per_s") and key in predicted:
             busy = max(r["busy_s_per_rank"]) if r.get("busy_s_per_rank") else None
-            groups.setdefault(key[:2], {})[key[2]] = (r["tokens_per_s"], predicted[key], r.get("bytes_sent"), busy)
+            rounds = r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]
+            groups.setdefault(key[:2], {})[key[2]] = ((r["tokens_per_s"], min(rounds), max(rounds)),
+                                                      predicted[key], r.get("bytes_sent"), busy)
     out = []
     for (preset, seq), got in groups.items():
-        same = order({k: v[0] for k, v in got.items()}) == order({k: v[1] for k, v in got.items()})
-        for name, (measured, pred, sent, busy) in got.items():
+        same = order_matches({k: v[0] for k, v in got.items()}, {k: v[1] for k, v in got.items()})
+        for name, ((measured, _, _), pred, sent, busy) in got.items():
             out.append({"preset": preset, "seq": seq, "schedule": name, "measured": measured, "predicted": pred,
                         "error": pred / measured - 1, "bytes_sent": sent, "order_matches": same,
                         "computing_s": busy})

@@ -13,9 +13,11 @@ latency from the host's matmul FLOP/s, --flops or measured the way the testbed m
 it) and, with --measure-link, gloo's CPU cost per byte from the link probe. The measured
 rows are read, never fitted. Reads the `--json` list or a `--save` file (rows, the host
 FLOP/s the testbed scaled by, and its notes: without tc netem it shapes the rate alone,
-and the prediction then leaves the latency out, as `--no-latency` does). Per row: measured and predicted tokens/s, the error, bytes
-sent measured / predicted, and whether the order of the schedules (fastest first) at
-that preset and sequence is the same. Bad input: one line, exit status 2.
+and the prediction then leaves the latency out, as `--no-latency` does). Per row: measured
+and predicted tokens/s, the error, bytes sent measured / predicted, and whether the order
+of the schedules (fastest first) at that preset and sequence is the same for every pair
+the measurement orders (pairs whose rounds overlap are ties). Bad input: one line, exit
+status 2.
 """
 
 from __future__ import annotations

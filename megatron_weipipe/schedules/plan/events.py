@@ -12,9 +12,10 @@ Two posting rules, one per runtime that executes these lists:
   until the end of the rank's list; the irecv of a RECV at tick t is posted when the
   rank starts its first action of tick t - lookahead (lookahead None: every irecv is
   posted when the rank starts), and the RECV waits for the data.
-- "blocking" (megatron-core's p2p with overlap off): consecutive SEND/RECV actions form
-  one call (send_forward_recv_backward and friends; a second action of the same flow
-  starts a new call), all posted together and all waited for before the rank goes on.
+- "blocking" (megatron-core's p2p with overlap off): the SEND/RECV actions form
+  megatron-core's calls (calls.py: send_forward_recv_backward and friends for 1F1B,
+  one call per warm-up, steady or cool-down step for interleaved), each posted together
+  and waited for, sends included, before the rank goes on.
 
 A message moves once both its send and its receive are posted (NCCL and gloo both
 rendezvous); messages between the same pair in the same direction queue behind each
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .actions import COMPUTE_KINDS, Action, Flow, Kind, Schedule, ScheduleError
+from .calls import megatron_calls
 
 EPS = 1e-12
 POSTING_RULES = ("async", "blocking")
@@ -167,24 +169,10 @@ def _match(schedule: Schedule, error: type) -> tuple[dict, dict]:
     return recv_key, send_key
 
 
-def _steps(acts: tuple[Action, ...], semantics: str) -> list:
+def _steps(acts: tuple[Action, ...], semantics: str, interleaved: bool) -> list:
     if semantics == "async":
         return [("one", i) for i in range(len(acts))]
-    steps, group = [], []
-    for i, a in enumerate(acts):
-        if a.kind in (Kind.SEND, Kind.RECV):
-            if group and acts[group[-1]].flow == a.flow:
-                steps.append(("group", group))
-                group = []
-            group.append(i)
-            continue
-        if group:
-            steps.append(("group", group))
-            group = []
-        steps.append(("one", i))
-    if group:
-        steps.append(("group", group))
-    return steps
+    return megatron_calls(acts, interleaved)
 
 
 def _post_points(acts: tuple[Action, ...], lookahead: Optional[int]) -> dict:
@@ -224,7 +212,8 @@ def replay(schedule: Schedule, model: ReplayModel, error: type = ScheduleError) 
     channel_free: dict[tuple[int, int], float] = defaultdict(float)
     heap: list = []
     transfers: list[Transfer] = []
-    ranks = [_Rank(steps=_steps(lists[r], model.semantics)) for r in range(P)]
+    interleaved = schedule.virtual_stages > 1
+    ranks = [_Rank(steps=_steps(lists[r], model.semantics, interleaved)) for r in range(P)]
     work = [0.0] * P
     finish = [0.0] * P
     clock0 = model.start_times or (0.0,) * P

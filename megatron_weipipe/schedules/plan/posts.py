@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .actions import Flow, Kind, Schedule, ScheduleError
-from .events import _steps as _megatron_calls
+from .calls import megatron_calls
 
 ORDERS = ("grouped", "recv-first", "parity")
 DEFAULT_ORDER = "parity"
@@ -171,7 +171,7 @@ def megatron_posts(schedule: Schedule, rank: int, *, order: str = "batched") -> 
         raise ScheduleError(f"unknown megatron-core p2p order {order!r}")
     acts = schedule.ranks[rank]
     steps: list[Step] = []
-    for kind, payload in _calls(acts, schedule.virtual_stages > 1):
+    for kind, payload in megatron_calls(acts, schedule.virtual_stages > 1):
         if kind == "one":
             steps.append(payload)
             continue
@@ -200,59 +200,6 @@ def megatron_posts(schedule: Schedule, rank: int, *, order: str = "batched") -> 
         steps.append(Wait(tuple(payload)))
         steps.extend(i for i in payload if acts[i].kind is Kind.RECV)
     return steps
-
-
-def _calls(acts, interleaved: bool) -> list:
-    """megatron-core's p2p calls. 1F1B: a run of messages splits where a flow repeats
-    (recv_forward, then send_forward_recv_backward, ...). Interleaved: one call after
-    each warm-up forward, after each steady-state forward+backward pair and after each
-    cool-down backward, holding that step's sends and the next step's receives
-    (send_forward_recv_forward, send_forward_backward_recv_forward_backward, ...), plus
-    the first recv_forward; when every forward is in the warm-up, recv_backward alone."""
-    if not interleaved:
-        return _megatron_calls(acts, "blocking")
-    units: list[list[int]] = []  # compute steps; LOSS rides with its forward
-    comp = [i for i, a in enumerate(acts) if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
-    kinds = [acts[i].kind for i in comp]
-    n_f = kinds.count(Kind.FORWARD)
-    first_b = kinds.index(Kind.BACKWARD) if Kind.BACKWARD in kinds else len(kinds)
-    warmup = n_f if first_b == n_f else first_b - 1
-    k = 0
-    while k < len(comp):
-        width = 2 if warmup <= k < 2 * n_f - warmup and kinds[k] is Kind.FORWARD else 1
-        units.append(comp[k:k + width])
-        k += width
-    owner = {}
-    for u, idx in enumerate(units):
-        for i in idx:
-            owner[i] = u
-    recvs_for: dict[int, list[int]] = defaultdict(list)
-    sends_of: dict[int, list[int]] = defaultdict(list)
-    extra: dict[int, list[int]] = defaultdict(list)  # LOSS and friends after a compute
-    for i, a in enumerate(acts):
-        if a.kind is Kind.RECV:
-            nxt = next(j for j in range(i + 1, len(acts)) if j in owner)
-            recvs_for[owner[nxt]].append(i)
-        elif a.kind is Kind.SEND:
-            prv = next(j for j in range(i - 1, -1, -1) if j in owner)
-            sends_of[owner[prv]].append(i)
-        elif i not in owner:
-            prv = next(j for j in range(i - 1, -1, -1) if j in owner)
-            extra[prv].append(i)
-    out = []
-    if recvs_for[0]:
-        out.append(("group", recvs_for[0]))
-    for u, idx in enumerate(units):
-        for i in idx:
-            out.append(("one", i))
-            out.extend(("one", j) for j in extra[i])
-        if warmup == n_f and u == n_f - 1:  # all forwards in warm-up: recv_backward is its own call
-            out.extend(("group", c) for c in (sends_of[u], recvs_for[u + 1]) if c)
-            continue
-        call = sends_of[u] + recvs_for[u + 1]
-        if call:
-            out.append(("group", call))
-    return out
 
 
 def programs(schedule: Schedule, order: Optional[str] = None, lookahead: int = 1) -> list[list[Step]]:
