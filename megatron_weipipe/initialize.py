@@ -50,7 +50,7 @@ def initialize_distributed(cfg: PretrainConfig) -> RunContext:
             f"{dist.get_world_size()} ranks"
         )
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel_groups()
     p = cfg.parallel
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -82,6 +82,23 @@ def set_random_seed(seed: int, groups: ParallelGroups) -> None:
     np.random.seed(stage_seed % (2**32))
     torch.manual_seed(stage_seed)
     model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy_model_parallel_groups() -> None:
+    """Forget megatron-core's groups and destroy every process group but the default one.
+
+    megatron-core's destroy_model_parallel() only drops its references; a process that
+    trains again (the link testbed runs many jobs in one process, tests run pretrain()
+    repeatedly) would otherwise keep each old group's backend alive: under gloo two
+    threads per group, a thousand after a few dozen runs, waking in the kernel and taking
+    the cores the next run is timed on."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    world = dist.GroupMember.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
 
 
 def shutdown_distributed() -> None:
