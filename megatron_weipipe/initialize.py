@@ -95,6 +95,13 @@ def destroy_model_parallel_groups() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    # DTensor caches sharding results by mesh equality (ranks, device), not by group: a
+    # new FSDP mesh over the same ranks would get specs holding the old, destroyed group.
+    from torch.distributed.tensor import debug as dtensor_debug
+
+    clear = getattr(dtensor_debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
     world = dist.GroupMember.WORLD
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:

@@ -1,6 +1,6 @@
 """A process that trains more than once (the link testbed runs every job of a preset in
 one process) keeps a bounded set of process groups: each run's megatron-core groups are
-destroyed before the next run makes its own."""
+destroyed before the next run makes its own, and FSDP2 after that gets the new groups."""
 
 import os
 import subprocess
@@ -18,20 +18,30 @@ SCRIPT = textwrap.dedent("""
     from megatron_weipipe.training.pretrain import pretrain
     from pretrain_gpt import model_provider
 
-    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 64 "
-            "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 2 --train-iters 1 "
-            "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128").split()
-    for _ in range(3):
-        pretrain(parse_config(argv), model_provider, forward_step)
-        print("groups", len(dist.distributed_c10d._world.pg_map), flush=True)
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 64 "
+            "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 2 --train-iters 2 "
+            "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+            "--untie-embeddings-and-output-weights").split()
+    runs = {{"fsdp": ["--use-torch-fsdp2"], "1f1b": ["--pipeline-model-parallel-size", "2"]}}
+    for name in ("fsdp", "1f1b", "fsdp", "1f1b"):
+        pretrain(parse_config(base + runs[name]), model_provider, forward_step)
+        with open(f"groups.{{dist.get_rank()}}", "a") as f:
+            f.write(f"{{name}} {{len(dist.distributed_c10d._world.pg_map)}}\\n")
 """)
 
 
 def test_repeated_pretrain_does_not_leak_process_groups(tmp_path):
+    script = tmp_path / "runs.py"
+    script.write_text(SCRIPT.format(root=ROOT))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=ROOT)], cwd=tmp_path, env=env,
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--standalone", str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    counts = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("groups ")]
-    assert len(counts) == 3 and counts[0] > 1, out.stdout
-    assert counts[1] == counts[0] and counts[2] == counts[0], f"process groups per run: {counts}"
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs: dict = {}  # (rank, schedule) -> process groups after each of its runs
+    for rank in (0, 1):
+        for line in (tmp_path / f"groups.{rank}").read_text().splitlines():
+            name, n = line.split()
+            runs.setdefault((rank, name), []).append(int(n))
+    assert len(runs) == 4 and all(len(v) == 2 for v in runs.values()), runs
+    assert all(v[0] > 1 and v[1] == v[0] for v in runs.values()), f"process groups after each run: {runs}"
