@@ -25,6 +25,7 @@ def main(jobs_path: str, out_path: str) -> int:
     import torch.distributed as dist
 
     from megatron_weipipe.arguments import parse_config
+    from megatron_weipipe.initialize import destroy_model_parallel_groups
     from megatron_weipipe.model.gpt_step import forward_step
     from megatron_weipipe.training.pretrain import pretrain
     from pretrain_gpt import model_provider
@@ -47,6 +48,7 @@ def main(jobs_path: str, out_path: str) -> int:
             cpu[0] = now
 
         pretrain(cfg, model_provider, forward_step, on_log=on_log)
+        destroy_model_parallel_groups()  # before the next job: its threads would share this core
         results.append({"key": job["key"], "wall_s": time.time() - t0, "iterations": logs,
                         "rank": dist.get_rank()})
         with open(out_path + ".tmp", "w") as f:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import random
@@ -106,6 +107,10 @@ def destroy_model_parallel_groups() -> None:
     for group in list(dist.distributed_c10d._world.pg_map):
         if group is not world:
             dist.destroy_process_group(group)
+    # a gloo group's threads stop when the group object is freed, and the last run's model
+    # and optimizer hold theirs in reference cycles: collect now, not at some later
+    # collection (until then each of those threads keeps waking in the kernel)
+    gc.collect()
 
 
 def shutdown_distributed() -> None:

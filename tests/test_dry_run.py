@@ -71,6 +71,10 @@ def test_fsdp_bf16_rank_state_is_its_shards_and_the_gathered_units():
     assert out["category_peaks"]["gradients"] == shard_fp32
     assert out["categories"]["optimizer_state"] == 2 * shard_fp32 + 4 * n_tensors  # moments + step counters
     assert out["categories"]["parameters"] == shard_fp32 + 2 * (root + layer)
+    est = out["estimator"]["categories"]  # the estimator's FSDP2 term (simulator/memory.py)
+    assert est["parameters"] == out["categories"]["parameters"]
+    assert est["gradients"] == shard_fp32
+    assert abs(est["optimizer_state"] - 2 * shard_fp32) <= 4 * n_tensors
 
 
 def test_estimator_within_ten_percent_of_the_dry_run_per_category():

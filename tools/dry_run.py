@@ -400,8 +400,10 @@ def estimate(cfg, pp_rank: int, vocab: int) -> dict:
     if spec.distributed_optimizer:
         state = memory.StateBytes(state.param, state.grad, state.optimizer,
                                   optimizer_shards=spec.layout.dp * spec.layout.cp)
+    if spec.torch_fsdp2:
+        state = memory.fsdp2_state_bytes(spec.layout.dp * spec.layout.cp)
     roles = {
-        "parameters": mem.params * state.param / state.param_shards,
+        "parameters": mem.params * state.param / state.param_shards + mem.gathered,
         "gradients": mem.params * state.grad / state.param_shards,
         "optimizer_state": mem.params * state.optimizer / state.optimizer_shards,
         "activations": mem.activations + mem.transient,

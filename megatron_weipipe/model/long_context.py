@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 
 from megatron_weipipe import mcore_versions
@@ -30,6 +31,7 @@ from megatron_weipipe.fpdt import (
     shard_batch,
     ulysses_attention,
 )
+from megatron_weipipe.fpdt.chunked import sequence_chunked, sequence_chunked_module
 from megatron_weipipe.fpdt.documents import document_offsets
 from megatron_weipipe.fpdt.offload import HostBufferPool, OffloadStats
 
@@ -91,7 +93,7 @@ def _rotary(cfg: PretrainConfig) -> Optional[RotaryConfig]:
 
 
 def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings):
-    """megatron-core's local GPT layer spec with Ulysses/FPDT attention and (FPDT) chunked MLP."""
+    """megatron-core's local GPT layer spec with Ulysses/FPDT attention and (FPDT) chunked MLP and norms."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
@@ -107,6 +109,11 @@ def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings):
         logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
             lambda record: "Unknown MLP type" not in record.getMessage()
         )
+        # the norms too: with them the whole layer runs in sequence chunks
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            norm = getattr(spec.submodules, name)
+            if norm is not IdentityOp:
+                setattr(spec.submodules, name, sequence_chunked_module(norm, settings.num_chunks))
     return spec
 
 
@@ -205,6 +212,15 @@ def install_chunked_loss(model, num_chunks: int, tp_group) -> None:
     output_layer.forward = output_forward
     model.compute_language_model_loss = loss
     model.forward = model_forward
+
+
+def chunk_final_norm(model, num_chunks: int) -> None:
+    """The decoder's final norm in sequence chunks too (FPDT), like the layers' norms."""
+    norm = getattr(getattr(model, "decoder", None), "final_layernorm", None)
+    if norm is None or isinstance(norm, IdentityOp):
+        return
+    plain = norm.forward
+    norm.forward = lambda x: sequence_chunked(plain, x, num_chunks)
 
 
 def shard_for_context_parallel(batch: dict, settings: LongContextSettings) -> dict:

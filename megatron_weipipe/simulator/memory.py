@@ -98,24 +98,35 @@ def logits_bytes(shape: ModelShape, tp: int = 1, cp: int = 1) -> float:
     return 2.0 * shape.tokens / cp * shape.padded_vocab(tp) / tp * 4
 
 
-def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str, chunks: int = 1) -> float:
+def _norm_saved_per_token(shape: ModelShape, o: ActivationOptions, chunked: bool) -> float:
+    """What one norm keeps for backward per local token: in sequence chunks under
+    checkpointing (FPDT, fpdt/chunked.py) its bf16 input; whole, torch's composite
+    rms_norm its fp32 input copy and fp32 normalised output (8h) and the fp32 1/rms (4),
+    LayerNorm (native kernel) its input and two fp32 statistics."""
+    if chunked:
+        return shape.hidden_size * o.dtype_bytes
+    if shape.normalization == "RMSNorm":
+        return 8 * shape.hidden_size + 4
+    return shape.hidden_size * o.dtype_bytes + 8
+
+
+def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str, norm_chunks: int = 1) -> float:
     """Bytes one layer of the long-context path (model/long_context.py: CP > 1 or FPDT, local
     layers) saves for its backward, one microbatch, one rank; ``mode`` "ulysses", "fpdt"
-    or "offload" (FPDT with --fpdt-offload). Per local token, from the code:
-    - each of the two RMSNorms (torch's composite rms_norm) saves its fp32 input copy and
-      fp32 normalised output (8h) and the fp32 1/rms (4); its bf16 output is saved by the
+    or "offload" (FPDT with --fpdt-offload); ``norm_chunks``: FPDT's chunk count, in which
+    the norms run. Per local token, from the code:
+    - each of the two norms keeps `_norm_saved_per_token`; its bf16 output is saved by the
       linear that reads it (attention input: not with offload, where fpdt_attention keeps
       the input chunks on the host; MLP input: always);
     - Ulysses (ulysses_attention): rotated q, k, v and o in head layout, o again in
       sequence layout (the projection's input), the fp32 log-sum-exp; megatron-core's MLP:
       fc1 output (2f), the sigmoid and silu of its first half and their product (3f);
     - FPDT without offload: its ChunkStore keeps q, o, k, v, the fp32 log-sum-exp and the
-      output chunks in sequence layout on the device; the chunked MLP keeps only its input.
-    LayerNorm (native kernel) saves its bf16 input and two fp32 statistics instead."""
+      output chunks in sequence layout on the device; the chunked MLP keeps only its input."""
     b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
     a, g, d, f = shape.num_attention_heads / o.tp, shape.groups / o.tp, shape.head_dim, shape.ffn / o.tp
     e = o.dtype_bytes
-    norm = 8 * h + 4 if shape.normalization == "RMSNorm" else h * e + 8
+    norm = _norm_saved_per_token(shape, o, norm_chunks > 1)
     per_token = 2 * norm + (1 if mode == "offload" else 2) * h * e
     if mode == "ulysses":
         per_token += (2 * a + 2 * g) * d * e + a * d * e + 4 * a
@@ -125,13 +136,17 @@ def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str,
     return s * b * per_token
 
 
-def long_context_norm_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> float:
+def long_context_norm_scratch_bytes(shape: ModelShape, o: ActivationOptions, norm_chunks: int = 1) -> float:
     """The composite rms_norm's backward: four fp32 tensors of the norm's input size alive at
     once beside what the layer saved (gradient upcast, its product with the weight, and the
-    two terms of the input gradient)."""
+    two terms of the input gradient); in sequence chunks, of one chunk, plus what the
+    recomputed chunk saved (8h + 4 per token)."""
     if shape.normalization != "RMSNorm":
         return 0.0
-    return 4 * 4 * shape.micro_batch_size * shape.seq_length / o.cp * shape.hidden_size
+    tokens = shape.micro_batch_size * shape.seq_length / o.cp
+    if norm_chunks > 1:
+        return tokens / norm_chunks * (4 * 4 * shape.hidden_size + 8 * shape.hidden_size + 4)
+    return 4 * 4 * tokens * shape.hidden_size
 
 
 def unchunked_loss_bytes(shape: ModelShape, o: ActivationOptions) -> float:
@@ -154,7 +169,7 @@ def chunked_mlp_scratch_bytes(shape: ModelShape, o: ActivationOptions, chunks: i
     return s * b * h * e + (wide + f) * h * 4 + s / chunks * b * (2 * wide + 4 * f) * e
 
 
-def chunked_loss_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> float:
+def chunked_loss_bytes(shape: ModelShape, o: ActivationOptions, chunks: int, norm_chunks: int = 1) -> float:
     """FPDT's chunked cross entropy (fpdt/loss.py) on the rank holding the loss: what the
     final norm saved (as a layer's norm), its output and the fp32 log-sum-exp, plus the larger of its forward (one chunk of
     c = s/chunks tokens: fp32 logits z, z - max and its exp, 12 bytes per token and vocab
@@ -164,7 +179,7 @@ def chunked_loss_bytes(shape: ModelShape, o: ActivationOptions, chunks: int) -> 
     b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
     v, e = shape.padded_vocab(o.tp) / o.tp, o.dtype_bytes
     chunk = s / chunks * b * v
-    final_norm = 8 * h + 4 if shape.normalization == "RMSNorm" else 8  # saved as in a layer's norms
+    final_norm = _norm_saved_per_token(shape, o, norm_chunks > 1)  # saved as in a layer's norms
     return s * b * (h * e + 4 + final_norm) + max(12 * chunk, s * b * h * e + v * h * 4 + (8 + e) * chunk)
 
 
@@ -307,6 +322,20 @@ class StateBytes:
         return (self.param + self.grad) / self.param_shards + self.optimizer / self.optimizer_shards
 
 
+def fsdp2_state_bytes(shards: int) -> StateBytes:
+    """schedules/train/fsdp.py: fp32 weights (the master), fp32 grads (reduce dtype) and
+    Adam's two fp32 moments, every one sharded."""
+    return StateBytes(param=4, grad=4, optimizer=8, optimizer_shards=shards, param_shards=shards)
+
+
+def fsdp2_gathered_bytes(shape: ModelShape, tp: int, compute_bytes: int) -> float:
+    """FSDP2's gathered weights at the peak (the start of the backward), in the compute
+    dtype: the root unit (output layer and final norm; the embedding and each layer are
+    units of their own) and one layer."""
+    root = shape.norm_params() + (shape.word_embedding_params(tp) if shape.untie_embeddings_and_output_weights else 0)
+    return (root + shape.layer_params(tp)) * compute_bytes
+
+
 def state_bytes_for(compute_bytes: int) -> StateBytes:
     """Megatron mixed precision (bf16 weights, fp32 master + Adam) or plain fp32 (CPU)."""
     if compute_bytes >= 4:
@@ -323,7 +352,8 @@ class RankMemory:
     transient: float  # the largest short-lived allocation (logits, one recomputed chunk)
     host: float = 0.0  # offload's host buffers (FPDT's pool, shared by a model's layers)
     chunk_state: float = 0.0  # FPDT chunks brought back from the host (offload)
+    gathered: float = 0.0  # FSDP2: the unit's weights gathered in the compute dtype
 
     @property
     def total(self) -> float:
-        return self.model_state + self.activations + self.buffers + self.transient
+        return self.model_state + self.gathered + self.activations + self.buffers + self.transient

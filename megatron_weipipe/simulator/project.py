@@ -208,6 +208,10 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     if spec.zero3:
         n = lay.dp * lay.cp
         state = memory.StateBytes(spec.compute_bytes, spec.compute_bytes, 12, optimizer_shards=n, param_shards=n)
+    gathered = 0.0
+    if spec.torch_fsdp2:
+        state = memory.fsdp2_state_bytes(lay.dp * lay.cp)
+        gathered = memory.fsdp2_gathered_bytes(s, lay.tp, spec.compute_bytes)
     impl, _, core = spec.attention_impl.partition("+")  # "unfused+flash": local layers, fused attention core
     act_opts = memory.ActivationOptions(impl=impl, flash_attention=(core == "flash") or None,
                                         dtype_bytes=spec.compute_bytes,
@@ -226,26 +230,28 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         long_mode = "offload" if spec.fpdt.offload else "fpdt"
     elif lay.cp > 1:
         long_mode = "ulysses"
+    norm_chunks = spec.fpdt.num_chunks(s.seq_length) if fp is not None else 1  # FPDT runs the norms in chunks
     if long_mode is not None:
-        per_layer = memory.long_context_layer_bytes(s, act_opts, long_mode)
+        per_layer = memory.long_context_layer_bytes(s, act_opts, long_mode, norm_chunks)
         if fp is not None and not spec.is_weipipe:
-            logits = memory.chunked_loss_bytes(s, act_opts, spec.fpdt.loss_num_chunks(s.seq_length))
+            logits = memory.chunked_loss_bytes(s, act_opts, spec.fpdt.loss_num_chunks(s.seq_length), norm_chunks)
         else:  # Ulysses; and WeiPipe's ring model computes megatron-core's loss, unchunked, under FPDT too
             logits = memory.unchunked_loss_bytes(s, act_opts)
     out = []
     for r in range(lay.pp):
         params = spec.rank_params(r)
         model_state = params * state.per_param()
-        host = chunk_state = 0.0
+        host = chunk_state = offloaded = 0.0
         if long_mode is not None:
             units, redo = (1, k) if spec.is_weipipe else (k, 1)
             if spec.recompute:
                 acts, transient = in_flight[r] * units * per_input, redo * per_layer
+                acts, offloaded = _offloaded_inputs(spec, acts, per_input)
             else:
                 acts, transient = in_flight[r] * k * per_layer, 0.0
                 if r > 0 and not spec.is_weipipe:
                     acts += in_flight[r] * per_input  # megatron-core keeps each received input tensor
-            scratch = memory.long_context_norm_scratch_bytes(s, act_opts)
+            scratch = memory.long_context_norm_scratch_bytes(s, act_opts, norm_chunks)
             if fp is not None:
                 scratch = max(scratch, memory.chunked_mlp_scratch_bytes(s, act_opts, spec.fpdt.mlp_num_chunks(s.seq_length)))
             transient += scratch
@@ -263,7 +269,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
             # Megatron checkpoints every layer (uniform, one layer per unit) and recomputes one
             # at a time; WeiPipe's runtime keeps each chunk's input and recomputes the chunk
             units, redo = (1, k) if spec.is_weipipe else (k, 1)
-            acts = in_flight[r] * units * per_input
+            acts, offloaded = _offloaded_inputs(spec, in_flight[r] * units * per_input, per_input)
             transient = redo * per_layer
         else:
             acts = in_flight[r] * k * per_layer
@@ -278,5 +284,15 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
             buf = chunk * (b.weights * spec.compute_bytes + b.grads * spec.weipipe_grad_bytes)
             buf += chunk * 4 * 2  # the runtime's flat fp32 master copy and summed chunk gradient
         out.append(memory.RankMemory(params=params, model_state=model_state, activations=acts, buffers=buf,
-                                     transient=transient, host=host, chunk_state=chunk_state))
+                                     transient=transient, host=host + offloaded, chunk_state=chunk_state,
+                                     gathered=gathered))
     return tuple(out)
+
+
+def _offloaded_inputs(spec: RunSpec, kept: float, per_input: float) -> tuple[float, float]:
+    """(device, host) bytes of the inputs full recomputation keeps: all on the device, or
+    with --offload-layer-inputs on the host but the one being recomputed and the one
+    prefetched for the next recompute (model/layer_offload.py)."""
+    if not spec.offload_layer_inputs:
+        return kept, 0.0
+    return min(kept, 2 * per_input), kept

@@ -47,6 +47,11 @@ class RunSpec:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     zero3: bool = False  # DeepSpeed ZeRO-3 model state (bf16 weights and grads, fp32 Adam), all sharded
+    # --use-torch-fsdp2: fp32 weights, grads and Adam moments sharded over data x context
+    # parallel ranks; one unit (a layer, or the root's embedding and output layer) gathered
+    # in the compute dtype at a time
+    torch_fsdp2: bool = False
+    offload_layer_inputs: bool = False  # --offload-layer-inputs: recompute's kept inputs on the host
     attention_impl: str = "flash"  # "flash" (TE layers), "unfused" (local layers), "unfused+flash" (local, fused core)
     dropout: bool = True
     fpdt: Optional[FPDTSpec] = None
@@ -206,7 +211,8 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
         virtual_stages=virtual_stages, recompute=m.recompute_granularity == "full" or offload_checkpoints,
         compute_bytes=t.compute_bytes, weipipe_grad_bytes=2 if p.weipipe_grad_dtype == "bf16" else 4,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer, zero3=zero3,
-        attention_impl=attention_impl, dropout=m.hidden_dropout > 0 or m.attention_dropout > 0, fpdt=fpdt,
+        torch_fsdp2=p.use_torch_fsdp2, offload_layer_inputs=offload_checkpoints, attention_impl=attention_impl,
+        dropout=m.hidden_dropout > 0 or m.attention_dropout > 0, fpdt=fpdt,
         weight_pass=weight_pass,
     )
 
