@@ -37,7 +37,13 @@ def test_chunked_rmsnorm_matches_and_keeps_only_its_input():
 
     assert torch.equal(chunked, whole)  # token-wise: the cut changes nothing
     assert torch.equal(gx, gx_whole)
-    torch.testing.assert_close(gw.float(), gw_whole.float(), rtol=2e-2, atol=1e-2)  # bf16 sums in another order
+    # the weight gradient sums bf16 partial sums per chunk: compare both with a float64 norm
+    ref_norm = torch.nn.RMSNorm(h, eps=1e-5).double()
+    with torch.no_grad():
+        ref_norm.weight.copy_(norm.weight.double())
+    (gw_ref,) = torch.autograd.grad(ref_norm(x.detach().double()), (ref_norm.weight,), grad.double())
+    err = lambda g: ((g.double() - gw_ref).norm() / gw_ref.norm()).item()  # noqa: E731
+    assert err(gw) < 1e-2 and err(gw_whole) < 1e-2, (err(gw), err(gw_whole))
     # the whole-sequence norm keeps float32 copies (2 x 2 x the input); chunks keep the input views
     assert whole_saved >= 4 * x.numel() * x.element_size()
     assert chunked_saved <= x.numel() * x.element_size() + 4096

@@ -114,6 +114,7 @@ def build_gpt_model(
     from megatron_weipipe.model.long_context import (
         build_settings,
         chunk_final_norm,
+        chunk_norms,
         install_chunked_loss,
         long_context_layer_spec,
         uses_long_context,
@@ -159,7 +160,8 @@ def build_gpt_model(
         model.long_context = long_context  # read by the forward step to shard batches
         if long_context.fpdt is not None:
             install_chunked_loss(model, long_context.fpdt.loss_num_chunks(m.seq_length), long_context.tp_group)
-            chunk_final_norm(model, long_context.num_chunks)
+            if chunk_norms(cfg):
+                chunk_final_norm(model, long_context.num_chunks)
     return model
 
 

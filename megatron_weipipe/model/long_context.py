@@ -109,12 +109,20 @@ def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings):
         logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
             lambda record: "Unknown MLP type" not in record.getMessage()
         )
-        # the norms too: with them the whole layer runs in sequence chunks
-        for name in ("input_layernorm", "pre_mlp_layernorm"):
+        # the norms too: with them the whole layer runs in sequence chunks. Not in a WeiPipe
+        # ring: its runtime binds each chunk's circulating weights to the modules per action,
+        # and a norm recomputed at backward time would read (and send its gradient to) the
+        # weights bound then
+        for name in ("input_layernorm", "pre_mlp_layernorm") if chunk_norms(cfg) else ():
             norm = getattr(spec.submodules, name)
             if norm is not IdentityOp:
                 setattr(spec.submodules, name, sequence_chunked_module(norm, settings.num_chunks))
     return spec
+
+
+def chunk_norms(cfg: PretrainConfig) -> bool:
+    """Whether FPDT runs the norms in sequence chunks (every schedule but WeiPipe's)."""
+    return cfg.fpdt.enabled and not (cfg.parallel.pipeline_schedule or "").startswith("weipipe")
 
 
 def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfig]):

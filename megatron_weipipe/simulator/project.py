@@ -230,7 +230,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         long_mode = "offload" if spec.fpdt.offload else "fpdt"
     elif lay.cp > 1:
         long_mode = "ulysses"
-    norm_chunks = spec.fpdt.num_chunks(s.seq_length) if fp is not None else 1  # FPDT runs the norms in chunks
+    # FPDT runs the norms in chunks (model/long_context.py chunk_norms), WeiPipe's rings aside
+    norm_chunks = spec.fpdt.num_chunks(s.seq_length) if fp is not None and not spec.is_weipipe else 1
     if long_mode is not None:
         per_layer = memory.long_context_layer_bytes(s, act_opts, long_mode, norm_chunks)
         if fp is not None and not spec.is_weipipe:
