@@ -378,10 +378,9 @@ def estimate(cfg, pp_rank: int, vocab: int) -> dict:
     """The simulator's memory estimator and byte model for the same run and pipeline rank,
     in the dry run's roles (megatron-core's local layers, with the core attention the
     platform resolves --attention-backend to)."""
-    from megatron_weipipe.simulator import memory
     from megatron_weipipe.simulator.fpdt import analyse
     from megatron_weipipe.simulator.hardware import HOST_LINKS, Cluster, device_preset, link_preset
-    from megatron_weipipe.simulator.project import counter_bytes, rank_memory
+    from megatron_weipipe.simulator.project import counter_bytes, rank_memory, state_bytes
     from megatron_weipipe.simulator.run_spec import spec_from_config
 
     cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
@@ -396,12 +395,7 @@ def estimate(cfg, pp_rank: int, vocab: int) -> dict:
         fp = analyse(spec.shape, spec.fpdt, cluster, cp=spec.layout.cp, tp=spec.layout.tp,
                      dtype_bytes=spec.compute_bytes)
     mem = rank_memory(spec, schedule, fp)[pp_rank]
-    state = memory.state_bytes_for(spec.compute_bytes)
-    if spec.distributed_optimizer:
-        state = memory.StateBytes(state.param, state.grad, state.optimizer,
-                                  optimizer_shards=spec.layout.dp * spec.layout.cp)
-    if spec.torch_fsdp2:
-        state = memory.fsdp2_state_bytes(spec.layout.dp * spec.layout.cp)
+    state = state_bytes(spec)
     roles = {
         "parameters": mem.params * state.param / state.param_shards + mem.gathered,
         "gradients": mem.params * state.grad / state.param_shards,

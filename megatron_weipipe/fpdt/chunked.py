@@ -35,22 +35,26 @@ def _params(fn) -> list:
     return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
 
 
+def chunk_forward(module: torch.nn.Module, num_chunks: int) -> torch.nn.Module:
+    """Wrap ``module``'s instance forward so that a single-tensor call runs in sequence
+    chunks; its class, parameters and state-dict keys stay as they are."""
+    plain = module.forward
+
+    def forward(x, *rest, **kw):
+        if rest or kw:
+            return plain(x, *rest, **kw)
+        return sequence_chunked(plain, x, num_chunks)
+
+    module.forward = forward
+    return module
+
+
 def sequence_chunked_module(build: Callable[..., torch.nn.Module], num_chunks: int) -> type:
-    """A spec entry that builds what ``build`` builds, with its forward in sequence chunks.
-    The module itself is returned (its class, parameters and state-dict keys unchanged),
-    only its instance forward is wrapped."""
+    """A spec entry that builds what ``build`` builds, with its forward in sequence chunks
+    (``chunk_forward``): megatron-core's build_module instantiates classes, so this is one."""
     from megatron.core.transformer.spec_utils import build_module
 
     def __new__(cls, *args, **kwargs):
-        module = build_module(build, *args, **kwargs)
-        plain = module.forward
-
-        def forward(x, *rest, **kw):
-            if rest or kw:
-                return plain(x, *rest, **kw)
-            return sequence_chunked(plain, x, num_chunks)
-
-        module.forward = forward
-        return module
+        return chunk_forward(build_module(build, *args, **kwargs), num_chunks)
 
     return type("SequenceChunked", (), {"__new__": __new__, "__doc__": sequence_chunked_module.__doc__})

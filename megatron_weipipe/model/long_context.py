@@ -31,7 +31,7 @@ from megatron_weipipe.fpdt import (
     shard_batch,
     ulysses_attention,
 )
-from megatron_weipipe.fpdt.chunked import sequence_chunked, sequence_chunked_module
+from megatron_weipipe.fpdt.chunked import chunk_forward, sequence_chunked_module
 from megatron_weipipe.fpdt.documents import document_offsets
 from megatron_weipipe.fpdt.offload import HostBufferPool, OffloadStats
 
@@ -225,10 +225,8 @@ def install_chunked_loss(model, num_chunks: int, tp_group) -> None:
 def chunk_final_norm(model, num_chunks: int) -> None:
     """The decoder's final norm in sequence chunks too (FPDT), like the layers' norms."""
     norm = getattr(getattr(model, "decoder", None), "final_layernorm", None)
-    if norm is None or isinstance(norm, IdentityOp):
-        return
-    plain = norm.forward
-    norm.forward = lambda x: sequence_chunked(plain, x, num_chunks)
+    if norm is not None and not isinstance(norm, IdentityOp):
+        chunk_forward(norm, num_chunks)
 
 
 def shard_for_context_parallel(batch: dict, settings: LongContextSettings) -> dict:

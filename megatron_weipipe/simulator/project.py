@@ -200,18 +200,24 @@ def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ..
     return tuple(out)
 
 
-def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> tuple[memory.RankMemory, ...]:
-    s, lay = spec.shape, spec.layout
+def state_bytes(spec: RunSpec) -> memory.StateBytes:
+    """Bytes per parameter of the model state and how they shard, for the run's optimizer
+    and sharding (distributed optimizer, ZeRO-3, FSDP2)."""
+    n = spec.layout.dp * spec.layout.cp
+    if spec.torch_fsdp2:
+        return memory.fsdp2_state_bytes(n)
+    if spec.zero3:
+        return memory.StateBytes(spec.compute_bytes, spec.compute_bytes, 12, optimizer_shards=n, param_shards=n)
     state = memory.state_bytes_for(spec.compute_bytes)
     if spec.distributed_optimizer:
-        state = memory.StateBytes(state.param, state.grad, state.optimizer, optimizer_shards=lay.dp * lay.cp)
-    if spec.zero3:
-        n = lay.dp * lay.cp
-        state = memory.StateBytes(spec.compute_bytes, spec.compute_bytes, 12, optimizer_shards=n, param_shards=n)
-    gathered = 0.0
-    if spec.torch_fsdp2:
-        state = memory.fsdp2_state_bytes(lay.dp * lay.cp)
-        gathered = memory.fsdp2_gathered_bytes(s, lay.tp, spec.compute_bytes)
+        return memory.StateBytes(state.param, state.grad, state.optimizer, optimizer_shards=n)
+    return state
+
+
+def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> tuple[memory.RankMemory, ...]:
+    s, lay = spec.shape, spec.layout
+    state = state_bytes(spec)
+    gathered = memory.fsdp2_gathered_bytes(s, lay.tp, spec.compute_bytes) if spec.torch_fsdp2 else 0.0
     impl, _, core = spec.attention_impl.partition("+")  # "unfused+flash": local layers, fused attention core
     act_opts = memory.ActivationOptions(impl=impl, flash_attention=(core == "flash") or None,
                                         dtype_bytes=spec.compute_bytes,
