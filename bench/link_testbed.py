@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import netns  # noqa: E402
-from testbed_presets import EFFICIENCY, PRESETS, host_flops, preset_table  # noqa: E402
+from testbed_presets import EFFICIENCY, PRESETS, TBF_BURST_BYTES, host_flops, preset_table  # noqa: E402
 
 SCHEDULES = ("1f1b", "interleaved", "weipipe-interleave", "weipipe-zb", "fsdp")
 DEFAULT_SEQS = (1024, 2048, 4096, 8192, 16384)
@@ -116,9 +116,9 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> list[dict]:
             except RuntimeError as e:  # no netem in this kernel: the rate alone (tbf), said in the output
                 if "netem" not in str(e):
                     raise
-                tb.shape(i, rate=f"{int(rate_bps * 8)}bit", queue_ms=2000)
+                tb.shape(i, rate=f"{int(rate_bps * 8)}bit", burst=f"{TBF_BURST_BYTES}b", queue_ms=2000)
                 NOTES.add("tc netem is not available in this kernel: the emulated latency is not applied, "
-                          "the rate alone is (tc tbf, 2 s queue)")
+                          f"the rate alone is (tc tbf, {TBF_BURST_BYTES // 1024} KiB burst, 2 s queue)")
         cores = sorted(os.sched_getaffinity(0))
         outs = [os.path.join(work, f"{preset}-rank{i}.json") for i in (0, 1)]
         logs = [open(os.path.join(work, f"{preset}-rank{i}.log"), "w") for i in (0, 1)]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 EFFICIENCY = 0.5
 LATENCY_S = 5e-6
+TBF_BURST_BYTES = 64 * 1024  # tc tbf's bucket where the rate is shaped without netem: an idle link passes this at once
 
 
 @dataclass(frozen=True)

@@ -81,20 +81,25 @@ def test_validator_catches_a_weight_gradient_before_its_input_gradient():
 
 # ------------------------------------------------------------------ FSDP, floor
 
-def test_fsdp_moves_per_layer_gathers_and_reduce_scatters():
+def test_fsdp_moves_per_unit_gathers_and_reduce_scatters():
     res, args, cluster, specs = run("--schedules fsdp")
     r, spec = res["fsdp"], specs[0]
     s = spec.shape
     assert spec.layout.pp == 1 and spec.layout.dp == 4  # the same 4 GPUs, data parallel
     n, L, N = 4, s.num_layers, spec.num_microbatches
     layer = s.layer_params(1)
-    ag, rs, root_ag, root_rs, link = baselines.layer_collectives(spec, cluster)
+    units = baselines.fsdp_units(spec)
+    assert [u for u, _ in units] == ["embedding", *(f"layer {j}" for j in range(L)), "root"]
+    assert sum(p for _, p in units) == s.total_params()  # every parameter in exactly one unit
+    comms, link = baselines.unit_collectives(spec, cluster)
+    ag, rs = comms[1]
     assert ag.payload_bytes == layer * 2 and rs.payload_bytes == layer * 4
     assert ag.wire_bytes == pytest.approx((n - 1) / n * layer * 2)
     assert link.name == "ib-edr"  # 4 GPUs on nodes of 2: the ring leaves the node
-    want = N * (2 * L * (n - 1) / n * layer * 2 + L * (n - 1) / n * layer * 4
-                + (n - 1) / n * spec.replicated_params() * (2 + 4))
+    # every unit gathered twice (forward, backward) and reduce-scattered once per microbatch
+    want = N * (n - 1) / n * s.total_params() * (2 * 2 + 4)
     assert r.bytes_per_link[0]["ib-edr"] == pytest.approx(want)
+    assert r.counter[0] == {baselines.FSDP_KIND: int(want)}
     # compute-bound with free links: N x (embedding, L layers forward and backward, head)
     free, _, _, _ = run("--schedules fsdp --inter-bandwidth-gbs 1e9 --inter-latency-us 0")
     c = costs_for(args, spec, cluster)
@@ -102,10 +107,31 @@ def test_fsdp_moves_per_layer_gathers_and_reduce_scatters():
     compute = N * (L * (m.forward + m.backward) + c.embed_forward + c.embed_backward + c.head_forward
                    + c.head_backward)
     assert free["fsdp"].pipeline_s == pytest.approx(compute, rel=1e-6)
-    # link-bound on a slow link: at least every collective back to back
+    # link-bound on a slow link: at least every gather back to back
     slow, _, _, _ = run("--schedules fsdp --inter-bandwidth-gbs 0.01")
-    ag_s = ag.wire_bytes / 0.01e9
-    assert slow["fsdp"].pipeline_s > N * 2 * L * ag_s > compute
+    gathers = sum(a.wire_bytes for a, _ in comms) / 0.01e9
+    assert slow["fsdp"].pipeline_s > N * 2 * gathers > compute
+
+
+def test_fsdp_fixed_costs_are_paid_per_unit_and_pass():
+    from dataclasses import replace
+
+    from megatron_weipipe.simulator.project import simulate_run
+
+    _, args, cluster, specs = run("--schedules fsdp --inter-bandwidth-gbs 1e9 --inter-latency-us 0")
+    spec = specs[0]
+    c = costs_for(args, spec, cluster)
+    plain = simulate_run(spec, cluster, c)
+    U, N = spec.shape.num_layers + 2, spec.num_microbatches
+    fixed = simulate_run(spec, cluster, replace(c, fsdp_unit_forward=1e-3, fsdp_unit_backward=3e-3, fsdp_step=0.25))
+    assert fixed.pipeline_s - plain.pipeline_s == pytest.approx(N * U * 4e-3, rel=1e-9)
+    assert fixed.iteration_s - fixed.pipeline_s == 0.25
+
+
+def test_fsdp_kind_is_the_trainers():
+    from megatron_weipipe.schedules.train.fsdp import FSDP_KIND
+
+    assert baselines.FSDP_KIND == FSDP_KIND
 
 
 def test_floor_is_n_times_the_slowest_stage():

@@ -79,6 +79,22 @@ def test_a_transfer_costs_latency_plus_bytes_over_bandwidth():
     assert [t.end - t.start for t in tr.transfers] == pytest.approx([hop, hop])
 
 
+def test_a_token_bucket_passes_what_it_saved_at_once():
+    from megatron_weipipe.schedules.plan.events import TokenBucket
+
+    b = TokenBucket(rate=1e6, depth=1e5)  # 1 MB/s, 100 kB bucket, full at the start
+    assert b.seconds(0.0, 3e5) == pytest.approx(0.2)  # 100 kB at once, 200 kB at the rate
+    assert b.seconds(0.2, 5e4) == pytest.approx(0.05)  # right after: the bucket is empty
+    assert b.seconds(10.0, 5e4) == 0.0  # idle long enough: full again, capped at its depth
+    assert b.seconds(10.0, 1e5) == pytest.approx(0.05)  # 50 kB left, 50 kB at the rate
+    # in the replay: each 1 MB hop of a 1 GB/s link with a 0.5 MB bucket after an idle second
+    s = build("1f1b", 2, 1, N=1)
+    shaped = LinkSpec("shaped", 1.0, 0.0, burst_bytes=5e5)
+    tr = replay(s, _model(s, {Kind.FORWARD: 1.0, Kind.BACKWARD: 1.0}, link=shaped, nbytes=10**6))
+    assert [t.end - t.start for t in tr.transfers] == pytest.approx([0.5e-3, 0.5e-3])
+    assert tr.makespan == pytest.approx(4.0 + 1e-3)
+
+
 def test_blocking_sends_wait_for_the_receiver_async_sends_do_not():
     s = build("1f1b", 2, 1, N=4)
     slow = LinkSpec("slow", 1.0, 0.0)

@@ -1,16 +1,21 @@
 """Baselines WeiPipe is measured against that are not a list replay: FSDP and the floor.
 
 - ``fsdp``: FSDP / ZeRO-3 over the same GPUs, no pipeline (PP = 1, every GPU a data-
-  parallel rank holding 1/n of every parameter). Each decoder layer is one FSDP unit:
-  its weights are all-gathered before its forward and again before its backward
-  (resharded after the forward, FSDP2's default), its gradient reduce-scattered in fp32
-  right after its backward, every microbatch (no gradient accumulation without sync).
-  The root unit (embedding, final norm, output layer) is gathered once per microbatch
-  before the first layer and reduce-scattered after the last backward. Communication
-  runs on its own stream, one collective at a time in issue order, overlapped with
-  compute the way FSDP prefetches: the gather of layer j + 1 is issued when layer j's
-  forward starts (j - 1 when j's backward starts), a reduce-scatter when its backward
-  ends; a layer computes once its weights are there.
+  parallel rank holding 1/n of every parameter), with the units the trainer's
+  ``--use-torch-fsdp2`` makes (schedules/train/fsdp.py): the embedding, each decoder
+  layer, the root (final norm, and the output layer when untied). Every microbatch each
+  unit is all-gathered before its forward and again before its backward (resharded after
+  the forward: FSDP2's default, root included) and its gradient reduce-scattered in fp32
+  right after its backward (no gradient accumulation without sync). Communication runs
+  on its own stream, one collective at a time in issue order, overlapped with compute
+  the way FSDP2 prefetches: the next unit's gather is issued when a unit's forward starts
+  (the previous unit's when its backward starts; the root's backward gather when the
+  loss is done), a reduce-scatter when its backward ends; a unit computes once its
+  weights are there. Each unit's forward and backward also cost FSDP2's fixed CPU
+  seconds (``CostModel.fsdp_unit_forward`` / ``_backward``: hooks, DTensor bookkeeping,
+  each collective's own cost; measured on a CPU host, 0 for FLOP-based costs), and the
+  step after the microbatches is ``CostModel.fsdp_step`` where measured, else the
+  optimizer over the 1/n shard.
 - ``floor``: N microbatches x the slowest stage's compute per microbatch, the time no
   activation pipeline of these stages can beat (no bubble, no wire), plus what 1F1B runs
   after its lists (gradient reductions, optimizer step).
@@ -29,20 +34,24 @@ from .hardware import Cluster
 from .run_spec import RunSpec
 
 FSDP_GRAD_BYTES = 4  # gradients reduce-scattered in fp32 (Megatron's main-grad dtype)
+FSDP_KIND = "fsdp"  # the trainer's byte-counter kind for FSDP2's collectives (schedules/train/fsdp.py)
 
 
-def layer_collectives(spec: RunSpec, cluster: Cluster):
-    """(all-gather, reduce-scatter) of one decoder layer and of the root unit, on the data-parallel ring."""
-    lay, s = spec.layout, spec.shape
-    group = lay.data_cp_ranks()
+def fsdp_units(spec: RunSpec) -> list[tuple[str, int]]:
+    """(name, parameters of one TP shard) of each FSDP unit, in forward order."""
+    s, tp = spec.shape, spec.layout.tp
+    root = s.norm_params() + (s.word_embedding_params(tp) if s.untie_embeddings_and_output_weights else 0)
+    return [("embedding", s.embedding_params(tp)), *((f"layer {j}", s.layer_params(tp)) for j in range(s.num_layers)),
+            ("root", root)]
+
+
+def unit_collectives(spec: RunSpec, cluster: Cluster):
+    """Per unit (all-gather of its compute-dtype weights, fp32 reduce-scatter of its gradient)
+    on the data-parallel ring, and that ring's link."""
+    group = spec.layout.data_cp_ranks()
     n, link = len(group), cluster.slowest_link(group)
-    layer = s.layer_params(lay.tp)
-    root = spec.replicated_params()
-    ag = collectives.all_gather(layer * spec.compute_bytes, n, link)
-    rs = collectives.reduce_scatter(layer * FSDP_GRAD_BYTES, n, link)
-    root_ag = collectives.all_gather(root * spec.compute_bytes, n, link)
-    root_rs = collectives.reduce_scatter(root * FSDP_GRAD_BYTES, n, link)
-    return ag, rs, root_ag, root_rs, link
+    return [(collectives.all_gather(p * spec.compute_bytes, n, link), collectives.reduce_scatter(p * FSDP_GRAD_BYTES, n, link))
+            for _, p in fsdp_units(spec)], link
 
 
 def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
@@ -51,9 +60,13 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
     s, lay = spec.shape, spec.layout
     L, N, eff = s.num_layers, spec.num_microbatches, spec.kernel_efficiency
     t = costs.for_layers(1).module
-    f = t.forward / eff
-    b = (t.backward + (t.forward if spec.recompute else 0.0)) / eff
-    ag, rs, root_ag, root_rs, link = layer_collectives(spec, cluster)
+    forward = [costs.embed_forward / eff, *[t.forward / eff] * L, costs.head_forward / eff]
+    backward = [costs.embed_backward / eff, *[(t.backward + (t.forward if spec.recompute else 0.0)) / eff] * L,
+                costs.head_backward / eff]
+    forward = [c + costs.fsdp_unit_forward for c in forward]
+    backward = [c + costs.fsdp_unit_backward for c in backward]
+    comms, link = unit_collectives(spec, cluster)
+    U = len(comms)
     comm_free = 0.0
     exposed = 0.0
 
@@ -65,42 +78,43 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
 
     timed: list[TimedAction] = []
     now = 0.0
+
+    def run(ready: float, seconds: float, action: Action, prefetch=None) -> None:
+        """Wait for the unit's weights, issue the prefetch as it starts, compute."""
+        nonlocal now, exposed
+        start = max(now, ready)
+        exposed += start - now
+        if prefetch is not None:
+            prefetch(start)
+        now = start + seconds
+        timed.append(TimedAction(action, start, now))
+
     for m in range(N):
-        root_ready = issue(now, root_ag.seconds)
-        ready = issue(now, ag.seconds)  # layer 0, prefetched with the root
-        wait = max(root_ready, ready) - now
-        exposed += wait
-        now += wait + costs.embed_forward / eff
-        for j in range(L):
-            start = max(now, ready)
-            exposed += start - now
-            if j + 1 < L:
-                ready = issue(start, ag.seconds)
-            now = start + f
-            timed.append(TimedAction(Action(Kind.FORWARD, 0, 0, mb=m, chunk=j), start, now))
-        head = (costs.head_forward + costs.head_backward) / eff
-        timed.append(TimedAction(Action(Kind.LOSS, 0, 0, mb=m, chunk=L - 1), now, now + head))
-        ready = issue(now, ag.seconds)  # the last layer, gathered again for its backward
-        now += head
-        for j in reversed(range(L)):
-            start = max(now, ready)
-            exposed += start - now
-            if j > 0:
-                ready = issue(start, ag.seconds)
-            now = start + b
-            timed.append(TimedAction(Action(Kind.BACKWARD, 0, 0, mb=m, chunk=j), start, now))
-            issue(now, rs.seconds)
-        now += costs.embed_backward / eff
-        issue(now, root_rs.seconds)
+        ready = [0.0] * U
+        ready[0] = issue(now, comms[0][0].seconds)
+        for u in range(U):  # forward: embedding, layers, root
+            def next_gather(at, u=u):
+                if u + 1 < U:
+                    ready[u + 1] = issue(at, comms[u + 1][0].seconds)
+            kind = Kind.LOSS if u == U - 1 else Kind.FORWARD
+            run(ready[u], forward[u], Action(kind, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))), next_gather)
+        ready[U - 1] = issue(now, comms[U - 1][0].seconds)  # the root, gathered again for its backward
+        for u in reversed(range(U)):  # backward: root, layers, embedding
+            def previous_gather(at, u=u):
+                if u > 0:
+                    ready[u - 1] = issue(at, comms[u - 1][0].seconds)
+            run(ready[u], backward[u], Action(Kind.BACKWARD, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))),
+                previous_gather)
+            issue(now, comms[u][1].seconds)
     pipeline = max(now, comm_free)
     exposed += pipeline - now
     params = spec.rank_params(0) / (lay.dp * lay.cp)
-    opt = params * costs.optimizer_per_param
-    iteration = pipeline + opt
+    step = costs.fsdp_step if costs.fsdp_step is not None else params * costs.optimizer_per_param
+    iteration = pipeline + step
     compute = sum(a.end - a.start for a in timed)
-    wire = N * (2 * L * ag.wire_bytes + L * rs.wire_bytes + root_ag.wire_bytes + root_rs.wire_bytes)
-    payload = N * (2 * L * ag.payload_bytes + L * rs.payload_bytes + root_ag.payload_bytes + root_rs.payload_bytes)
-    phases = {"FSDP gathers and reduce-scatters not hidden by compute": exposed, "optimizer step (1/n shard)": opt}
+    wire = N * sum(2 * ag.wire_bytes + rs.wire_bytes for ag, rs in comms)
+    phases = {"FSDP gathers and reduce-scatters not hidden by compute": exposed,
+              "step after the microbatches (optimizer on the 1/n shard)": step}
     tokens = spec.global_batch_size * s.seq_length
     peak = cluster.device.peak_tflops * 1e12 if cluster.device.peak_tflops else None
     flops = s.model_flops_per_microbatch() * N * lay.dp
@@ -110,8 +124,8 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
     return replace(base, iteration_s=iteration, pipeline_s=pipeline, tokens_per_s=tokens / iteration,
                    mfu=flops / (iteration * lay.world * peak) if peak else None,
                    bubble=1.0 - compute / pipeline if pipeline > 0 else 0.0,
-                   bytes_per_link=({link.name: wire},), counter=({"collectives": int(payload)},), memory=mem,
-                   trace=trace, phases=phases, work=(compute / 1.0 + opt,))
+                   bytes_per_link=({link.name: wire},), counter=({FSDP_KIND: int(wire)},), memory=mem,
+                   trace=trace, phases=phases, work=(compute + step,))
 
 
 def floor_of(spec: RunSpec, one_f_one_b) -> dict:

@@ -65,6 +65,25 @@ class HostCalibration:
         return cls(**d)
 
 
+@dataclass(frozen=True)
+class Fsdp2Overhead:
+    """FSDP2's fixed costs on this host (bench/fsdp2_overhead.py: the trainer with and without
+    ``--use-torch-fsdp2``, same model and data): seconds per unit and microbatch added to its
+    forward and to its backward, and the iteration's seconds besides its microbatches (the
+    optimizer over the sharded DTensors, the gradient norm)."""
+
+    unit_forward_s: float
+    unit_backward_s: float
+    step_s: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Fsdp2Overhead":  # noqa: D102
+        return cls(**json.loads(text))
+
+
 def calibration_fields(med: dict, k: int, optimizer: bool, n_params: float) -> dict:
     def chunk(name: str) -> ChunkTimes:
         return ChunkTimes(k, med[f"{name}.forward"], med[f"{name}.backward"], med[f"{name}.backward_input"],

@@ -19,7 +19,7 @@ runtime's `weight_pass` runs it:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Optional
 
 from megatron_weipipe.schedules.plan.actions import Action, Kind, Schedule
 
@@ -61,6 +61,12 @@ class CostModel:
     recompute: bool = False
     weight_pass: str = "stored"  # how WeiPipe's runtime splits a backward (see the module doc)
     grad_add: float = 0.0  # adding a chunk's weight gradient into the gradient token
+    # FSDP2's fixed CPU seconds per unit and pass (hooks, DTensor bookkeeping, each collective's
+    # own cost), and the step after an FSDP iteration's microbatches (None: the optimizer over
+    # the shard); measured by bench/fsdp2_overhead.py on a CPU host, 0 / None for FLOP costs
+    fsdp_unit_forward: float = 0.0
+    fsdp_unit_backward: float = 0.0
+    fsdp_step: Optional[float] = None
 
     def for_layers(self, layers: int) -> "CostModel":
         return replace(self, module=scale_chunk(self.module, layers), flat=scale_chunk(self.flat, layers))

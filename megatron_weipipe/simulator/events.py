@@ -70,7 +70,7 @@ def _core_model(model: EventModel) -> ReplayModel:
     def wire(send: Action, src: int, dst: int) -> Wire:
         nbytes = int(model.message_bytes(send))
         link = model.link(src, dst)
-        return Wire(nbytes, link.name, nbytes / (link.bandwidth_gbs * 1e9), link.latency_us * 1e-6)
+        return Wire(nbytes, link.name, nbytes / (link.bandwidth_gbs * 1e9), link.latency_us * 1e-6, link.burst_bytes)
 
     def host_cpu(send: Action, src: int, dst: int) -> float:
         """Each end's half of the host CPU a message costs (0 unless the link says so)."""

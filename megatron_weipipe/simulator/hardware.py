@@ -63,10 +63,12 @@ class LinkSpec:
     bandwidth_gbs: float  # per GPU, per direction, GB/s (1e9 bytes)
     latency_us: float
     cpu_s_per_byte: float = 0.0  # host CPU a transfer costs, sender and receiver together (gloo on a CPU host)
+    burst_bytes: float = 0.0  # a shaped link's token bucket (tc tbf's burst): bytes an idle link passes at once
 
     def validate(self) -> "LinkSpec":
         require(self.bandwidth_gbs > 0, f"link {self.name}: bandwidth must be positive")
         require(self.latency_us >= 0, f"link {self.name}: latency must be non-negative")
+        require(self.burst_bytes >= 0, f"link {self.name}: burst must be non-negative")
         return self
 
     def time(self, nbytes: float) -> float:

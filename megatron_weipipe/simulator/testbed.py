@@ -6,8 +6,11 @@ SDPA attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (
 interleaved with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1,
 DP = 2). The prediction replays the same schedule with the costs of a HostCalibration of
 the same shape (layer forward / backward, embedding, head, optimizer step, timed by
-tools/host_calibration.py) and the emulated link (plus the host CPU a gloo byte costs,
-from tools/host_calibration.py's link probe): nothing is fitted to the testbed's rows.
+tools/host_calibration.py), FSDP2's fixed costs per unit (bench/fsdp2_overhead.py) and
+the emulated link as tc shapes it: its rate, its latency where netem applies it, its
+token bucket where tbf shapes the rate alone, plus what a gloo message costs on this host
+(tools/host_calibration.py's link probe: CPU per byte, fixed seconds per message).
+Nothing is fitted to the testbed's rows.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Optional
 
 from megatron_weipipe.shape import ModelShape
 
-from .calibration import HostCalibration
+from .calibration import Fsdp2Overhead, HostCalibration
 from .costs import from_calibration
 from .errors import SimulatorError, require
 from .hardware import CPU_HOST, Cluster, LinkSpec
@@ -42,7 +45,8 @@ class TestbedShape:
     def model(self, seq: int) -> ModelShape:
         return ModelShape(num_layers=self.layers, hidden_size=self.hidden, num_attention_heads=self.heads,
                           seq_length=seq, micro_batch_size=1, vocab_size=self.vocab_size,
-                          position_embedding_type="rope", max_position_embeddings=seq)
+                          position_embedding_type="rope", max_position_embeddings=seq,
+                          untie_embeddings_and_output_weights=True)
 
 
 def testbed_spec(schedule: str, seq: int, shape: TestbedShape = TestbedShape()) -> RunSpec:
@@ -54,18 +58,23 @@ def testbed_spec(schedule: str, seq: int, shape: TestbedShape = TestbedShape()) 
                    zero3=schedule == "fsdp").validate()
 
 
-def testbed_cluster(rate_bytes_s: float, latency_s: float, cpu_s_per_byte: float = 0.0) -> Cluster:
-    """Two ranks with a core each, joined by the emulated link."""
+def testbed_cluster(rate_bytes_s: float, latency_s: float, cpu_s_per_byte: float = 0.0,
+                    burst_bytes: float = 0.0) -> Cluster:
+    """Two ranks with a core each, joined by the emulated link (``latency_s``: per message,
+    the emulated latency and gloo's own fixed cost; ``burst_bytes``: tc tbf's bucket)."""
     require(rate_bytes_s > 0 and latency_s >= 0, "the emulated link needs a positive rate and a latency >= 0")
-    link = LinkSpec("emulated", rate_bytes_s / 1e9, latency_s * 1e6, cpu_s_per_byte)
+    link = LinkSpec("emulated", rate_bytes_s / 1e9, latency_s * 1e6, cpu_s_per_byte, burst_bytes)
     return Cluster(device=CPU_HOST, intra=link, inter=link, gpus_per_node=2).validate()
 
 
 def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s: float,
                         calibration: HostCalibration, shape: TestbedShape = TestbedShape(),
-                        cpu_s_per_byte: Optional[float] = None) -> ScheduleResult:
+                        cpu_s_per_byte: Optional[float] = None, burst_bytes: float = 0.0,
+                        fsdp2: Optional[Fsdp2Overhead] = None) -> ScheduleResult:
     """Predicted iteration (tokens/s, bytes) of one testbed row. ``calibration``: this host's
-    timings of the same model shape and sequence (any chunk size; chunks scale per layer)."""
+    timings of the same model shape and sequence (any chunk size; chunks scale per layer);
+    ``fsdp2``: FSDP2's fixed costs of the same shape (the FSDP row without them counts its
+    compute and bytes alone)."""
     spec = testbed_spec(schedule, seq, shape)
     c = calibration.shape
     if (c.hidden_size, c.num_attention_heads, c.seq_length) != (shape.hidden, shape.heads, seq):
@@ -76,7 +85,10 @@ def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s:
     costs = from_calibration(calibration, spec.layers_per_chunk, recompute=False, weight_pass="stored")
     if calibration.optimizer_per_param <= 0:
         costs = replace(costs, optimizer_per_param=0.0)
-    return simulate_run(spec, testbed_cluster(rate_bytes_s, latency_s, cpu_s_per_byte), costs)
+    if fsdp2 is not None:
+        costs = replace(costs, fsdp_unit_forward=fsdp2.unit_forward_s, fsdp_unit_backward=fsdp2.unit_backward_s,
+                        fsdp_step=fsdp2.step_s)
+    return simulate_run(spec, testbed_cluster(rate_bytes_s, latency_s, cpu_s_per_byte, burst_bytes), costs)
 
 
 def order(values: dict) -> list:

@@ -48,6 +48,26 @@ def calibration_for(seq: int, shape, directory: str, repeats: int):
     return cal
 
 
+def fsdp2_for(shape, directory: str):
+    """FSDP2's fixed costs of the testbed's model on this host (bench/fsdp2_overhead.py, over a
+    veth pair as the testbed runs where namespaces are permitted, else loopback), cached."""
+    from megatron_weipipe.simulator.calibration import Fsdp2Overhead
+
+    path = os.path.join(directory, f"fsdp2-L{shape.layers}-h{shape.hidden}-a{shape.heads}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return Fsdp2Overhead.from_json(f.read())
+    import fsdp2_overhead
+    import netns
+
+    args = ["--layers", str(shape.layers), "--hidden", str(shape.hidden), "--heads", str(shape.heads), "--rounds", "4"]
+    veth = ["--netns"] if netns.available() is None else []  # None: namespaces are permitted here
+    over, _ = fsdp2_overhead.fsdp2_overhead(fsdp2_overhead.parse_args(args + veth))
+    with open(path, "w") as f:
+        f.write(over.to_json())
+    return over
+
+
 def table(compared: list[dict], predicted_bytes: dict, predicted_work: dict) -> str:
     lines = ["| preset | seq | schedule | measured tokens/s | predicted | error | MiB sent/rank/iter measured / "
              "predicted | computing s/iter measured / predicted (slowest rank) | order of schedules |",
@@ -81,7 +101,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-latency", action="store_true",
                     help="the testbed shaped the rate alone (no tc netem): predict without the emulated latency "
                          "(read from the notes of a --save file)")
-    ap.add_argument("--measure-link", action="store_true", help="probe gloo's CPU cost per byte here")
+    ap.add_argument("--measure-link", action="store_true",
+                    help="probe gloo here: its CPU cost per byte, and its fixed seconds per message")
+    ap.add_argument("--message-latency-us", type=float, default=None,
+                    help="gloo's fixed cost per message instead of the probe's")
     ap.add_argument("--layers", type=int, default=TestbedShape.layers, help="the testbed's --layers")
     ap.add_argument("--hidden", type=int, default=TestbedShape.hidden, help="the testbed's --hidden")
     ap.add_argument("--heads", type=int, default=TestbedShape.heads, help="the testbed's --heads")
@@ -108,15 +131,19 @@ def main(argv=None) -> int:
             raise SimulatorError(f"{a.testbed_json}: not a list of rows with preset, seq, schedule, tokens_per_s")
         sys.path.insert(0, os.path.join(a.testbed_root, "bench"))
         try:
-            from testbed_presets import PRESETS, host_flops
+            from testbed_presets import PRESETS, TBF_BURST_BYTES, host_flops
         except ImportError:
             raise SimulatorError("bench/testbed_presets.py (the testbed's preset arithmetic) is not in this checkout")
         flops = a.flops or host_flops()
-        cpb = 0.0
+        burst = TBF_BURST_BYTES if no_latency else 0.0  # without netem the testbed shapes the rate with tbf
+        cpb, message_s = 0.0, 0.0
         if a.measure_link:
             import host_calibration
 
-            cpb = host_calibration.gloo_link().cpu_s_per_byte
+            probe = host_calibration.gloo_link()
+            cpb, message_s = probe.cpu_s_per_byte, probe.latency_us * 1e-6
+        if a.message_latency_us is not None:
+            message_s = a.message_latency_us * 1e-6
         shape = TestbedShape(a.layers, a.hidden, a.heads, a.microbatches)
         os.makedirs(a.calibration_dir, exist_ok=True)
         predicted, pbytes, pwork = {}, {}, {}
@@ -126,12 +153,14 @@ def main(argv=None) -> int:
             if r["preset"] not in PRESETS:
                 raise SimulatorError(f"row preset {r['preset']!r} is not one of {', '.join(PRESETS)}")
             rate, latency = PRESETS[r["preset"]].emulated(flops)
-            latency = 0.0 if no_latency else latency
+            latency = (0.0 if no_latency else latency) + message_s
             row_shape = TestbedShape(*(int(r.get(k, v)) for k, v in (
                 ("layers", shape.layers), ("hidden", shape.hidden), ("heads", shape.heads),
                 ("microbatches", shape.microbatches))))  # a row that states its shape wins over the flags
             cal = calibration_for(r["seq"], row_shape, a.calibration_dir, a.repeats)
-            res = predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb)
+            fsdp2 = fsdp2_for(row_shape, a.calibration_dir) if r["schedule"] == "fsdp" else None
+            res = predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb,
+                                      burst_bytes=burst, fsdp2=fsdp2)
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
             pbytes[key] = max(sum(c.values()) for c in res.counter)

@@ -19,7 +19,9 @@ Two posting rules, one per runtime that executes these lists:
 
 A message moves once both its send and its receive are posted (NCCL and gloo both
 rendezvous); messages between the same pair in the same direction queue behind each
-other for their wire time, then take their latency. Compute runs on one stream per
+other for their wire time, then take their latency. A link shaped by a token bucket
+(tc tbf: `Wire.burst`) lets the bytes its bucket saved while idle pass at once
+(`TokenBucket`). Compute runs on one stream per
 rank at the speed `ReplayModel.rate` gives it (1 by default; the cluster model slows
 ranks that share a host's cores). A message may also cost host CPU at both ends
 (`host_cpu`), charged as compute of the rank that posts it.
@@ -101,6 +103,26 @@ class Wire:
     link: str  # a name, for Transfer and Trace.bytes_sent
     seconds: float  # on the wire; the next message of the pair starts after it
     latency: float  # added after the last byte
+    burst: float = 0.0  # a token bucket's depth in bytes (0: none); `seconds` is then nbytes / its rate
+
+
+@dataclass
+class TokenBucket:
+    """One direction of a link shaped by a token bucket (Linux tc tbf without a peak rate):
+    tokens accrue at the link's rate up to ``depth`` bytes while it is idle, and a message
+    passes as many bytes at once as there are tokens, the rest at the rate."""
+
+    rate: float  # bytes/s
+    depth: float  # bytes
+    tokens: Optional[float] = None  # None: full (the link was idle before the run)
+    at: float = 0.0  # when `tokens` was counted
+
+    def seconds(self, start: float, nbytes: float) -> float:
+        """Wire seconds of ``nbytes`` sent from ``start`` (no earlier than the last send's end)."""
+        tokens = self.depth if self.tokens is None else min(self.depth, self.tokens + (start - self.at) * self.rate)
+        seconds = max(0.0, nbytes - tokens) / self.rate
+        self.tokens, self.at = max(0.0, tokens - nbytes), start + seconds
+        return seconds
 
 
 @dataclass
@@ -210,6 +232,7 @@ def replay(schedule: Schedule, model: ReplayModel, error: type = ScheduleError) 
         m = msgs.setdefault(key, _Msg(src=key[0], j=key[1]))
         m.dst, m.i = r, i
     channel_free: dict[tuple[int, int], float] = defaultdict(float)
+    buckets: dict[tuple[int, int], TokenBucket] = {}
     heap: list = []
     transfers: list[Transfer] = []
     interleaved = schedule.virtual_stages > 1
@@ -229,8 +252,12 @@ def replay(schedule: Schedule, model: ReplayModel, error: type = ScheduleError) 
         w = model.wire(a, m.src, m.dst)
         ready = max(m.send_post, m.recv_post)
         start = max(ready, channel_free[(m.src, m.dst)])
-        channel_free[(m.src, m.dst)] = start + w.seconds
-        m.end = start + w.seconds + w.latency
+        seconds = w.seconds
+        if w.burst > 0 and w.seconds > 0:
+            bucket = buckets.setdefault((m.src, m.dst), TokenBucket(w.nbytes / w.seconds, w.burst))
+            seconds = bucket.seconds(start, w.nbytes)
+        channel_free[(m.src, m.dst)] = start + seconds
+        m.end = start + seconds + w.latency
         transfers.append(Transfer(m.src, m.dst, a.flow, w.nbytes, w.link, ready, start, m.end))
         heapq.heappush(heap, (m.end, m.src, m.j))
 

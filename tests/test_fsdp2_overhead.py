@@ -1,0 +1,30 @@
+"""bench/fsdp2_overhead.py on loopback: the trainer with and without --use-torch-fsdp2.
+
+Two rank processes (gloo, one core and one thread each) train the link testbed's model as
+PP = 1, DP = 2, with FSDP2 and with megatron-core's DDP; FSDP2's fixed cost per unit is
+what it adds to a microbatch's forward and backward. Checked: both runs trained (their
+traces gave forward and backward times), FSDP2 costs more than DDP on the same model and
+data, and the numbers come back as the simulator's Fsdp2Overhead.
+"""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_adds_a_fixed_cost_per_unit():
+    import fsdp2_overhead
+
+    a = fsdp2_overhead.parse_args(["--seq", "128", "--rounds", "1", "--microbatches", "4", "--iters", "2",
+                                   "--timeout", "200"])
+    over, res = fsdp2_overhead.fsdp2_overhead(a)
+    for kind in ("forward", "backward"):
+        assert res[kind]["ddp_s"] > 0 and res[kind]["fsdp_s"] > res[kind]["ddp_s"], res
+    assert over.unit_forward_s == pytest.approx((res["forward"]["fsdp_s"] - res["forward"]["ddp_s"]) / 4)
+    assert over.unit_backward_s > 0 and over.step_s > 0
+    assert fsdp2_overhead.units(a.layers) == 4  # embedding, two layers, root
