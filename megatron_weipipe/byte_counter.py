@@ -6,13 +6,16 @@ compare schedules by them. One class serves two uses: the process-wide counter
 point-to-point traffic to the innermost active ``scope`` (e.g. "activations" inside
 Megatron's pipeline schedules, or a WeiPipe flow), collectives as "collectives" with the
 tensor's size per call (the payload handed to the collective, not the algorithm's wire
-traffic); a runtime may also keep its own instance and ``count`` what it sends.
+traffic; nothing for a group of one rank, which sends nothing: megatron-core's cross
+entropy all-reduces over the tensor-parallel group even at TP = 1); a runtime may also
+keep its own instance and ``count`` what it sends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections import defaultdict
 
@@ -120,8 +123,25 @@ class ByteCounter:
         dist.batch_isend_irecv = batch_isend_irecv
 
         def wrap_collective(fn, arg_index=0):
+            try:
+                signature = inspect.signature(fn)
+            except (TypeError, ValueError):
+                signature = None
+
+            def alone(args, kwargs) -> bool:
+                """Whether the call's group has one rank (it sends nothing)."""
+                group = kwargs.get("group")
+                if group is None and signature is not None:
+                    try:
+                        group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+                    except TypeError:
+                        return False
+                return dist.is_initialized() and dist.get_world_size(group) == 1
+
             @functools.wraps(fn)
             def inner(*args, **kwargs):
+                if alone(args, kwargs):
+                    return fn(*args, **kwargs)
                 t = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
                 if isinstance(t, (list, tuple)):
                     size = sum(nbytes(x) for x in t)

@@ -70,11 +70,13 @@ def testbed_cluster(rate_bytes_s: float, latency_s: float, cpu_s_per_byte: float
 def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s: float,
                         calibration: HostCalibration, shape: TestbedShape = TestbedShape(),
                         cpu_s_per_byte: Optional[float] = None, burst_bytes: float = 0.0,
-                        fsdp2: Optional[Fsdp2Overhead] = None) -> ScheduleResult:
+                        fsdp2: Optional[Fsdp2Overhead] = None, message_s: float = 0.0) -> ScheduleResult:
     """Predicted iteration (tokens/s, bytes) of one testbed row. ``calibration``: this host's
     timings of the same model shape and sequence (any chunk size; chunks scale per layer);
     ``fsdp2``: FSDP2's fixed costs of the same shape (the FSDP row without them counts its
-    compute and bytes alone)."""
+    compute and bytes alone); ``message_s``: what a gloo message waits on this host beyond
+    its bytes (bench/message_delay.py), added to ``latency_s`` except where FSDP2's measured
+    fixed costs already hold it."""
     spec = testbed_spec(schedule, seq, shape)
     c = calibration.shape
     if (c.hidden_size, c.num_attention_heads, c.seq_length) != (shape.hidden, shape.heads, seq):
@@ -85,9 +87,11 @@ def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s:
     costs = from_calibration(calibration, spec.layers_per_chunk, recompute=False, weight_pass="stored")
     if calibration.optimizer_per_param <= 0:
         costs = replace(costs, optimizer_per_param=0.0)
-    if fsdp2 is not None:
+    if schedule == "fsdp" and fsdp2 is not None:
         costs = replace(costs, fsdp_unit_forward=fsdp2.unit_forward_s, fsdp_unit_backward=fsdp2.unit_backward_s,
                         fsdp_step=fsdp2.step_s)
+    else:
+        latency_s += message_s
     return simulate_run(spec, testbed_cluster(rate_bytes_s, latency_s, cpu_s_per_byte, burst_bytes), costs)
 
 

@@ -68,6 +68,26 @@ def fsdp2_for(shape, directory: str):
     return over
 
 
+def message_delay_for(directory: str, probes: int = 3) -> float:
+    """What a gloo message waits here beyond its bytes (bench/message_delay.py: the median of
+    ``probes`` runs' means, over a veth pair where namespaces are permitted), cached."""
+    import statistics
+
+    import message_delay
+    import netns
+
+    path = os.path.join(directory, "message-delay.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)["seconds"]
+    a = message_delay.parse_args(["--reps", "60"] + ([] if netns.available() is None else ["--loopback"]))
+    means = [message_delay.mean_delay(message_delay.measure(a.sizes, a.compute_ms, a.reps, a.loopback))
+             for _ in range(probes)]
+    with open(path, "w") as f:
+        json.dump({"seconds": statistics.median(means), "probe_means": means, "loopback": a.loopback}, f)
+    return statistics.median(means)
+
+
 def table(compared: list[dict], predicted_bytes: dict, predicted_work: dict) -> str:
     lines = ["| preset | seq | schedule | measured tokens/s | predicted | error | MiB sent/rank/iter measured / "
              "predicted | computing s/iter measured / predicted (slowest rank) | order of schedules |",
@@ -102,9 +122,11 @@ def main(argv=None) -> int:
                     help="the testbed shaped the rate alone (no tc netem): predict without the emulated latency "
                          "(read from the notes of a --save file)")
     ap.add_argument("--measure-link", action="store_true",
-                    help="probe gloo here: its CPU cost per byte, and its fixed seconds per message")
-    ap.add_argument("--message-latency-us", type=float, default=None,
-                    help="gloo's fixed cost per message instead of the probe's")
+                    help="probe gloo here: its CPU cost per byte (tools/host_calibration.py) and what a message "
+                         "waits beyond its bytes (bench/message_delay.py)")
+    ap.add_argument("--message-delay-us", type=float, default=None,
+                    help="what a message waits beyond its bytes, instead of the probe's (default without "
+                         "--measure-link: 0)")
     ap.add_argument("--layers", type=int, default=TestbedShape.layers, help="the testbed's --layers")
     ap.add_argument("--hidden", type=int, default=TestbedShape.hidden, help="the testbed's --hidden")
     ap.add_argument("--heads", type=int, default=TestbedShape.heads, help="the testbed's --heads")
@@ -140,10 +162,12 @@ def main(argv=None) -> int:
         if a.measure_link:
             import host_calibration
 
-            probe = host_calibration.gloo_link()
-            cpb, message_s = probe.cpu_s_per_byte, probe.latency_us * 1e-6
-        if a.message_latency_us is not None:
-            message_s = a.message_latency_us * 1e-6
+            import message_delay
+
+            cpb = host_calibration.gloo_link().cpu_s_per_byte
+            message_s = message_delay_for(a.calibration_dir)
+        if a.message_delay_us is not None:
+            message_s = a.message_delay_us * 1e-6
         shape = TestbedShape(a.layers, a.hidden, a.heads, a.microbatches)
         os.makedirs(a.calibration_dir, exist_ok=True)
         predicted, pbytes, pwork = {}, {}, {}
@@ -153,17 +177,17 @@ def main(argv=None) -> int:
             if r["preset"] not in PRESETS:
                 raise SimulatorError(f"row preset {r['preset']!r} is not one of {', '.join(PRESETS)}")
             rate, latency = PRESETS[r["preset"]].emulated(flops)
-            latency = (0.0 if no_latency else latency) + message_s
+            latency = 0.0 if no_latency else latency
             row_shape = TestbedShape(*(int(r.get(k, v)) for k, v in (
                 ("layers", shape.layers), ("hidden", shape.hidden), ("heads", shape.heads),
                 ("microbatches", shape.microbatches))))  # a row that states its shape wins over the flags
             cal = calibration_for(r["seq"], row_shape, a.calibration_dir, a.repeats)
             fsdp2 = fsdp2_for(row_shape, a.calibration_dir) if r["schedule"] == "fsdp" else None
             res = predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb,
-                                      burst_bytes=burst, fsdp2=fsdp2)
+                                      burst_bytes=burst, fsdp2=fsdp2, message_s=message_s)
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
-            pbytes[key] = max(sum(c.values()) for c in res.counter)
+            pbytes[key] = sum(sum(c.values()) for c in res.counter) / len(res.counter)  # the mean over ranks, as the testbed reports
             pwork[key] = max(res.work)
     except (OSError, ValueError, SimulatorError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -179,7 +203,9 @@ def main(argv=None) -> int:
     compared = compare_rows(rows, predicted)
     print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {a.calibration_dir} (CPU seconds, one thread); "
-          f"gloo CPU {cpb * 1e9:.2f} ns per byte; emulated latency {'not applied' if no_latency else 'applied'}")
+          f"gloo CPU {cpb * 1e9:.2f} ns per byte; {message_s * 1e3:.2f} ms per message beyond its bytes; "
+          f"emulated latency {'not applied' if no_latency else 'applied'}"
+          f"{f', tc tbf burst {burst / 1024:.0f} KiB' if burst else ''}")
     print(table(compared, pbytes, pwork))
     errs = [abs(r["error"]) for r in compared]
     if errs:
