@@ -14,7 +14,10 @@ t x g/h and b/B x g/h: the ratio of compute to communication is the cluster's.
 Each preset is one pair of rank processes (bench/_testbed_rank.py) that runs the trainer's
 pretrain() (what pretrain_gpt.py runs) once per (sequence, round, schedule): the same
 model, data (mock) and seed for every schedule, the schedules' order rotating each round so
-they interleave in time. Each run trains --iters iterations; the first is not measured.
+they interleave in time. Each run trains a warm-up iteration, which is not measured, and
+then as many as make its tokens those of one 16K-token iteration (16 at 1K, 1 from 16K
+on; --iters fixes the count), so a short sequence's row is a median over as much work as a
+long one's rather than over one iteration of tens of milliseconds.
 Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (median of
 the per-round ratios, [min, max]); bytes each rank sends per iteration (the trainer's byte
 counter, the `sent/rank/iter` numbers); per rank, the seconds per iteration not computing
@@ -56,10 +59,18 @@ LONG = {"ib-edr": (32768,)}  # 32K only at ib-edr
 NOTES: set[str] = set()
 
 
+MEASURED_TOKENS = 16384  # per run and microbatch: the tokens of one 16K iteration
+
+
+def iterations(seq: int, a) -> int:
+    """Iterations per run: --iters, or a warm-up and MEASURED_TOKENS // seq (at least 1) measured."""
+    return a.iters if a.iters else 1 + max(1, MEASURED_TOKENS // seq)
+
+
 def model_argv(seq: int, a) -> list[str]:
     return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
             "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--position-embedding-type", "rope",
-            "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches), "--train-iters", str(a.iters),
+            "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches), "--train-iters", str(iterations(seq, a)),
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
             "--tokenizer-type", "ByteLevelTokenizer", "--make-vocab-size-divisible-by", "128", "--eval-iters", "0",
             "--log-interval", "1", "--seed", "1234", "--distributed-backend", "gloo",
@@ -227,7 +238,9 @@ def parse_args(argv=None):
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4, help="per iteration (global batch; micro-batch 1)")
-    ap.add_argument("--iters", type=int, default=2, help="iterations per run; the first is not measured")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="iterations per run, the first not measured (default: a warm-up, then 16K tokens' worth: "
+                         "16 at 1K, 1 from 16K on)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per preset")
     ap.add_argument("--flops", type=float, default=None, help="host FLOP/s (default: measured at start-up)")
     return ap.parse_args(argv)
@@ -259,7 +272,8 @@ def main(argv=None) -> int:
     print("# command: python bench/link_testbed.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}; wall {time.time() - t0:.0f}s; host load average {load0:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end; 2 ranks, 1 core and 1 thread each; layers={a.layers} hidden={a.hidden} "
-          f"heads={a.heads} micro-batch 1, {a.microbatches} microbatches/iteration, {a.iters} iterations per run "
+          f"heads={a.heads} micro-batch 1, {a.microbatches} microbatches/iteration, "
+          f"{f'{a.iters} iterations' if a.iters else f'a warm-up + {MEASURED_TOKENS} // seq iterations'} per run "
           f"(first not measured), {a.rounds} rounds; float32, rope, no dropout, mock data, seed 1234")
     print(preset_table(flops, a.presets))
     for note in sorted(NOTES):

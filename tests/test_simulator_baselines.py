@@ -229,6 +229,28 @@ def test_testbed_row_prediction_follows_the_link_and_the_costs():
         predict_testbed_row("1f1b", 2048, 1e9, 0.0, cal, _shape())
 
 
+def test_testbed_row_takes_the_measured_fixed_costs():
+    from megatron_weipipe.simulator.calibration import Fsdp2Overhead
+    from megatron_weipipe.simulator.testbed import predict_testbed_row
+
+    seq, cal, shape = 1024, _calibration(1024), _shape()
+    plain = {n: predict_testbed_row(n, seq, 1e15, 0.0, cal, shape) for n in ("1f1b", "fsdp")}
+    # a message's wait is a latency on every point-to-point hop: 1F1B's 2 x N blocking hops
+    # that are on its critical path at least once each way
+    waited = predict_testbed_row("1f1b", seq, 1e15, 0.0, cal, shape, message_s=0.01)
+    assert waited.iteration_s >= plain["1f1b"].iteration_s + 2 * 0.01
+    # FSDP2's costs: per unit (embedding, 4 layers, root) and pass, each of the 2 microbatches
+    # a rank runs, then its step; the message wait is inside them and not added again
+    over = Fsdp2Overhead(unit_forward_s=1e-3, unit_backward_s=2e-3, step_s=0.05)
+    fsdp = predict_testbed_row("fsdp", seq, 1e15, 0.0, cal, shape, fsdp2=over, message_s=0.01)
+    assert fsdp.pipeline_s - plain["fsdp"].pipeline_s == pytest.approx(2 * 6 * 3e-3, rel=1e-6)
+    assert fsdp.iteration_s - fsdp.pipeline_s == pytest.approx(0.05)
+    # a token bucket passes 1F1B's first activation at once on a slow link
+    slow = predict_testbed_row("1f1b", seq, 1e6, 0.0, cal, shape)
+    burst = predict_testbed_row("1f1b", seq, 1e6, 0.0, cal, shape, burst_bytes=64 * 1024)
+    assert burst.iteration_s < slow.iteration_s
+
+
 def test_order_counts_only_pairs_the_rounds_separate():
     from megatron_weipipe.simulator.testbed import order_matches
 

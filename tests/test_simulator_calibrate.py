@@ -46,3 +46,23 @@ def test_weight_pass_scales_with_a_full_backward_per_extra_layer():
     s = scale_chunk(t, 4)
     assert (s.forward, s.backward, s.backward_input) == (4.0, 12.0, 8.0)
     assert s.backward_weight == pytest.approx(1.5 + 3 * 3.0)
+
+
+def test_calibrations_average_field_by_field():
+    from dataclasses import replace
+
+    from megatron_weipipe.simulator.calibration import ChunkTimes, Fsdp2Overhead, HostCalibration, mean_of
+    from megatron_weipipe.shape import ModelShape
+
+    shape = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=64, vocab_size=259)
+    a = HostCalibration(shape=shape, module=ChunkTimes(1, 1.0, 2.0, 1.5, 0.5), flat=ChunkTimes(1, 3.0, 4.0, 3.0, 1.0),
+                        embed_forward=0.1, embed_backward=0.2, head_forward=0.3, head_backward=0.4,
+                        optimizer_per_param=1e-8, repeats=3)
+    b = replace(a, module=ChunkTimes(1, 3.0, 4.0, 2.5, 1.5), head_forward=0.5, optimizer_per_param=3e-8)
+    m = mean_of([a, b])
+    assert m.module == ChunkTimes(1, 2.0, 3.0, 2.0, 1.0) and m.flat == a.flat
+    assert m.head_forward == pytest.approx(0.4) and m.optimizer_per_param == pytest.approx(2e-8)
+    with pytest.raises(ValueError):
+        mean_of([a, replace(b, shape=replace(shape, seq_length=128))])
+    f = Fsdp2Overhead.mean_of([Fsdp2Overhead(1.0, 2.0, 3.0), Fsdp2Overhead(3.0, 4.0, 5.0)])
+    assert f == Fsdp2Overhead(2.0, 3.0, 4.0)

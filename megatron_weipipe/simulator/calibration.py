@@ -83,6 +83,35 @@ class Fsdp2Overhead:
     def from_json(cls, text: str) -> "Fsdp2Overhead":  # noqa: D102
         return cls(**json.loads(text))
 
+    @classmethod
+    def mean_of(cls, runs: list["Fsdp2Overhead"]) -> "Fsdp2Overhead":
+        """Several measurements as one (their mean)."""
+        n = len(runs)
+        return cls(sum(r.unit_forward_s for r in runs) / n, sum(r.unit_backward_s for r in runs) / n,
+                   sum(r.step_s for r in runs) / n)
+
+
+def mean_of(cals: list[HostCalibration]) -> HostCalibration:
+    """Several calibrations of one shape (timed before and after a run, say) as one: the
+    mean of every timed field, the rest from the first."""
+    if not cals:
+        raise ValueError("no calibration to average")
+    first = cals[0]
+    if any(c.shape != first.shape or c.module.layers != first.module.layers for c in cals):
+        raise ValueError("calibrations of different shapes or chunk sizes cannot be averaged")
+
+    def mean(get):
+        return sum(get(c) for c in cals) / len(cals)
+
+    def chunk(get) -> ChunkTimes:
+        return ChunkTimes(first.module.layers, *(mean(lambda c, f=f: getattr(get(c), f))
+                                                 for f in ("forward", "backward", "backward_input", "backward_weight")))
+
+    return replace(first, module=chunk(lambda c: c.module), flat=chunk(lambda c: c.flat),
+                   embed_forward=mean(lambda c: c.embed_forward), embed_backward=mean(lambda c: c.embed_backward),
+                   head_forward=mean(lambda c: c.head_forward), head_backward=mean(lambda c: c.head_backward),
+                   optimizer_per_param=mean(lambda c: c.optimizer_per_param))
+
 
 def calibration_fields(med: dict, k: int, optimizer: bool, n_params: float) -> dict:
     def chunk(name: str) -> ChunkTimes:

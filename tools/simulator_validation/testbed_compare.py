@@ -2,13 +2,14 @@
 """Measured (bench/link_testbed.py --json) vs predicted tokens/s of every testbed row.
 
     python tools/simulator_validation/testbed_compare.py --testbed-json rows.json \
-        [--flops HOST_FLOPS] [--calibration-dir DIR] [--repeats 3] [--measure-link] \
+        [--flops HOST_FLOPS] [--calibration-dir DIR [DIR ...]] [--repeats 3] [--measure-link] \
         [--layers 2 --hidden 32 --heads 2 --microbatches 4]     # the testbed's shape flags
 
 The prediction (megatron_weipipe/simulator/testbed.py) uses only microbenchmarks of this
 host: one calibration per sequence length of the testbed's model (tools/host_calibration.py:
 layer forward / backward, embedding, head, optimizer step; saved in --calibration-dir and
-reused), the testbed's own preset arithmetic (bench/testbed_presets.py: emulated rate and
+reused; several directories, e.g. timed before and after the sweep, are averaged, since
+this host's speed drifts by some 10% over tens of minutes), the testbed's own preset arithmetic (bench/testbed_presets.py: emulated rate and
 latency from the host's matmul FLOP/s, --flops or measured the way the testbed measures
 it) and, with --measure-link, gloo's CPU cost per byte from the link probe. The measured
 rows are read, never fitted. Reads the `--json` list or a `--save` file (rows, the host
@@ -106,6 +107,8 @@ def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
+    from megatron_weipipe.simulator import calibration as calib
+    from megatron_weipipe.simulator.calibration import Fsdp2Overhead
     from megatron_weipipe.simulator.errors import SimulatorError
     from megatron_weipipe.simulator.testbed import TestbedShape, compare_rows, predict_testbed_row
 
@@ -114,7 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--predict", nargs="+", metavar="PRESET:SEQ",
                     help="without --testbed-json: only the predicted rows of these presets and sequences")
     ap.add_argument("--flops", type=float, default=None, help="host FLOP/s the testbed scaled by (default: measured)")
-    ap.add_argument("--calibration-dir", default="/tmp/testbed_calibrations")
+    ap.add_argument("--calibration-dir", nargs="+", default=["/tmp/testbed_calibrations"],
+                    help="where this host's microbenchmarks are cached (timed into it where missing); several "
+                         "are averaged (e.g. timed before and after the sweep)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--testbed-root", default=ROOT,
                     help="the checkout whose bench/testbed_presets.py holds the presets (default: this one)")
@@ -157,6 +162,8 @@ def main(argv=None) -> int:
         except ImportError:
             raise SimulatorError("bench/testbed_presets.py (the testbed's preset arithmetic) is not in this checkout")
         flops = a.flops or host_flops()
+        for d in a.calibration_dir:
+            os.makedirs(d, exist_ok=True)
         burst = TBF_BURST_BYTES if no_latency else 0.0  # without netem the testbed shapes the rate with tbf
         cpb, message_s = 0.0, 0.0
         if a.measure_link:
@@ -165,11 +172,10 @@ def main(argv=None) -> int:
             import message_delay
 
             cpb = host_calibration.gloo_link().cpu_s_per_byte
-            message_s = message_delay_for(a.calibration_dir)
+            message_s = sum(message_delay_for(d) for d in a.calibration_dir) / len(a.calibration_dir)
         if a.message_delay_us is not None:
             message_s = a.message_delay_us * 1e-6
         shape = TestbedShape(a.layers, a.hidden, a.heads, a.microbatches)
-        os.makedirs(a.calibration_dir, exist_ok=True)
         predicted, pbytes, pwork = {}, {}, {}
         for r in rows:
             if not r.get("tokens_per_s"):
@@ -181,15 +187,16 @@ def main(argv=None) -> int:
             row_shape = TestbedShape(*(int(r.get(k, v)) for k, v in (
                 ("layers", shape.layers), ("hidden", shape.hidden), ("heads", shape.heads),
                 ("microbatches", shape.microbatches))))  # a row that states its shape wins over the flags
-            cal = calibration_for(r["seq"], row_shape, a.calibration_dir, a.repeats)
-            fsdp2 = fsdp2_for(row_shape, a.calibration_dir) if r["schedule"] == "fsdp" else None
+            cal = calib.mean_of([calibration_for(r["seq"], row_shape, d, a.repeats) for d in a.calibration_dir])
+            fsdp2 = Fsdp2Overhead.mean_of([fsdp2_for(row_shape, d) for d in a.calibration_dir]) \
+                if r["schedule"] == "fsdp" else None
             res = predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb,
                                       burst_bytes=burst, fsdp2=fsdp2, message_s=message_s)
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
             pbytes[key] = sum(sum(c.values()) for c in res.counter) / len(res.counter)  # the mean over ranks, as the testbed reports
             pwork[key] = max(res.work)
-    except (OSError, ValueError, SimulatorError) as e:
+    except (OSError, ValueError, RuntimeError, SimulatorError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not a.testbed_json:
@@ -202,7 +209,8 @@ def main(argv=None) -> int:
         return 0
     compared = compare_rows(rows, predicted)
     print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
-    print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {a.calibration_dir} (CPU seconds, one thread); "
+    print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {' + '.join(a.calibration_dir)} (CPU seconds, one "
+          f"thread{', averaged' if len(a.calibration_dir) > 1 else ''}); "
           f"gloo CPU {cpb * 1e9:.2f} ns per byte; {message_s * 1e3:.2f} ms per message beyond its bytes; "
           f"emulated latency {'not applied' if no_latency else 'applied'}"
           f"{f', tc tbf burst {burst / 1024:.0f} KiB' if burst else ''}")
