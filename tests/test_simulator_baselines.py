@@ -245,10 +245,12 @@ def test_testbed_row_takes_the_measured_fixed_costs():
     fsdp = predict_testbed_row("fsdp", seq, 1e15, 0.0, cal, shape, fsdp2=over, message_s=0.01)
     assert fsdp.pipeline_s - plain["fsdp"].pipeline_s == pytest.approx(2 * 6 * 3e-3, rel=1e-6)
     assert fsdp.iteration_s - fsdp.pipeline_s == pytest.approx(0.05)
-    # a token bucket passes 1F1B's first activation at once on a slow link
-    slow = predict_testbed_row("1f1b", seq, 1e6, 0.0, cal, shape)
-    burst = predict_testbed_row("1f1b", seq, 1e6, 0.0, cal, shape, burst_bytes=64 * 1024)
-    assert burst.iteration_s < slow.iteration_s
+    # a token bucket passes what it saved at once on a slow link, for 1F1B's activations
+    # and FSDP's gathers alike
+    for name in ("1f1b", "fsdp"):
+        slow = predict_testbed_row(name, seq, 1e6, 0.0, cal, shape)
+        burst = predict_testbed_row(name, seq, 1e6, 0.0, cal, shape, burst_bytes=64 * 1024)
+        assert burst.iteration_s < slow.iteration_s, name
 
 
 def test_order_counts_only_pairs_the_rounds_separate():
@@ -261,6 +263,11 @@ def test_order_counts_only_pairs_the_rounds_separate():
     assert not order_matches(measured, {"a": 1.0, "b": 4.0, "c": 3.0})
     # single rounds: every pair is ordered by the measurement
     assert not order_matches({"a": (1.0, 1.0, 1.0), "b": (1.01, 1.01, 1.01)}, {"a": 2.0, "b": 1.0})
+    # predictions from several calibration sets: a pair whose predicted ranges overlap is a
+    # tie the calibrations cannot break; separated ranges must agree with the measurement
+    one = {"a": (1.0, 1.0, 1.0), "b": (1.5, 1.5, 1.5)}
+    assert order_matches(one, {"a": (2.0, 1.4, 2.1), "b": (1.6, 1.5, 1.7)})
+    assert not order_matches(one, {"a": (2.0, 1.9, 2.1), "b": (1.6, 1.5, 1.7)})
 
 
 def test_testbed_compare_bad_input_is_one_line(tmp_path, capsys):

@@ -52,10 +52,18 @@ def test_collective_payloads_follow_the_training_loop():
     spec = RunSpec(SHAPE, Layout(pp=P), global_batch_size=2 * N, schedule="1f1b", compute_bytes=4).validate()
     got = counter_bytes(spec, spec.build_schedule())
     emb = SHAPE.padded_vocab() * SHAPE.hidden_size * 4
+    # DP = 1 and TP = 1: the gradient and cross-entropy all-reduces run on one-rank groups, which send nothing
+    assert got[1]["collectives"] == FLAGS_BYTES + NORM_BYTES
+    assert got[0]["collectives"] == emb + FLAGS_BYTES + NORM_BYTES
+    assert got[P - 1]["collectives"] == emb + FLAGS_BYTES + NORM_BYTES
+    # with peers, they count their payload
+    spec = RunSpec(SHAPE, Layout(pp=P, dp=2, tp=2), global_batch_size=4 * N, schedule="1f1b",
+                   compute_bytes=4).validate()
+    got = counter_bytes(spec, spec.build_schedule())
+    emb_tp = SHAPE.padded_vocab(2) // 2 * SHAPE.hidden_size * 4
     ce = 3 * SHAPE.tokens * 4 * N
     assert got[1]["collectives"] == spec.rank_params(1) * 4 + FLAGS_BYTES + NORM_BYTES
-    assert got[0]["collectives"] == spec.rank_params(0) * 4 + emb + FLAGS_BYTES + NORM_BYTES
-    assert got[P - 1]["collectives"] == spec.rank_params(P - 1) * 4 + emb + ce + FLAGS_BYTES + NORM_BYTES
+    assert got[P - 1]["collectives"] == spec.rank_params(P - 1) * 4 + emb_tp + ce + FLAGS_BYTES + NORM_BYTES
 
 
 def test_replayed_transfers_carry_the_counted_bytes():

@@ -11,7 +11,9 @@
   the way FSDP2 prefetches: the next unit's gather is issued when a unit's forward starts
   (the previous unit's when its backward starts; the root's backward gather when the
   loss is done), a reduce-scatter when its backward ends; a unit computes once its
-  weights are there. Each unit's forward and backward also cost FSDP2's fixed CPU
+  weights are there. A device without streams (a CPU host) overlaps nothing: FSDP2 issues
+  each gather in the unit's pre-forward or pre-backward hook and waits for it there, and
+  each reduce-scatter after the backward. Each unit's forward and backward also cost FSDP2's fixed CPU
   seconds (``CostModel.fsdp_unit_forward`` / ``_backward``: hooks, DTensor bookkeeping,
   each collective's own cost; measured on a CPU host, 0 for FLOP-based costs), and the
   step after the microbatches is ``CostModel.fsdp_step`` where measured, else the
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_weipipe.schedules.plan.actions import Action, Kind
-from megatron_weipipe.schedules.plan.events import TimedAction, Trace
+from megatron_weipipe.schedules.plan.events import TimedAction, TokenBucket, Trace
 
 from . import collectives
 from .costs import CostModel
@@ -47,10 +49,12 @@ def fsdp_units(spec: RunSpec) -> list[tuple[str, int]]:
 
 def unit_collectives(spec: RunSpec, cluster: Cluster):
     """Per unit (all-gather of its compute-dtype weights, fp32 reduce-scatter of its gradient)
-    on the data-parallel ring, and that ring's link."""
+    on the data-parallel ring, and that ring's link. gloo reduce-scatters by all-reducing the
+    whole tensor (twice a ring's bytes at two ranks, measured on a veth pair), NCCL by a ring."""
     group = spec.layout.data_cp_ranks()
     n, link = len(group), cluster.slowest_link(group)
-    return [(collectives.all_gather(p * spec.compute_bytes, n, link), collectives.reduce_scatter(p * FSDP_GRAD_BYTES, n, link))
+    reduce_scatter = collectives.all_reduce if cluster.device.backend == "gloo" else collectives.reduce_scatter
+    return [(collectives.all_gather(p * spec.compute_bytes, n, link), reduce_scatter(p * FSDP_GRAD_BYTES, n, link))
             for _, p in fsdp_units(spec)], link
 
 
@@ -69,10 +73,15 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
     U = len(comms)
     comm_free = 0.0
     exposed = 0.0
+    rate = link.bandwidth_gbs * 1e9
+    bucket = TokenBucket(rate, link.burst_bytes) if link.burst_bytes > 0 else None  # a tc-shaped link
 
-    def issue(at: float, seconds: float) -> float:
+    def issue(at: float, c: collectives.CollectiveCost) -> float:
         nonlocal comm_free
         start = max(at, comm_free)
+        seconds = c.seconds
+        if bucket is not None:  # each rank sends its wire bytes at once: one bucket per direction, alike
+            seconds += bucket.seconds(start, c.wire_bytes) - c.wire_bytes / rate
         comm_free = start + seconds
         return comm_free
 
@@ -89,23 +98,30 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
         now = start + seconds
         timed.append(TimedAction(action, start, now))
 
+    blocking = not cluster.device.streams  # no streams: each collective is waited for where it is issued
+
+    def gather(u: int, at: float) -> None:
+        ready[u] = issue(at, comms[u][0])
+
     for m in range(N):
         ready = [0.0] * U
-        ready[0] = issue(now, comms[0][0].seconds)
+        gather(0, now)
         for u in range(U):  # forward: embedding, layers, root
-            def next_gather(at, u=u):
-                if u + 1 < U:
-                    ready[u + 1] = issue(at, comms[u + 1][0].seconds)
+            if blocking and u > 0:
+                gather(u, now)
+            prefetch = None if blocking or u + 1 == U else (lambda at, u=u: gather(u + 1, at))
             kind = Kind.LOSS if u == U - 1 else Kind.FORWARD
-            run(ready[u], forward[u], Action(kind, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))), next_gather)
-        ready[U - 1] = issue(now, comms[U - 1][0].seconds)  # the root, gathered again for its backward
+            run(ready[u], forward[u], Action(kind, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))), prefetch)
+        gather(U - 1, now)  # the root, gathered again for its backward
         for u in reversed(range(U)):  # backward: root, layers, embedding
-            def previous_gather(at, u=u):
-                if u > 0:
-                    ready[u - 1] = issue(at, comms[u - 1][0].seconds)
-            run(ready[u], backward[u], Action(Kind.BACKWARD, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))),
-                previous_gather)
-            issue(now, comms[u][1].seconds)
+            if blocking and u < U - 1:
+                gather(u, now)
+            prefetch = None if blocking or u == 0 else (lambda at, u=u: gather(u - 1, at))
+            run(ready[u], backward[u], Action(Kind.BACKWARD, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))), prefetch)
+            done = issue(now, comms[u][1])
+            if blocking:
+                exposed += done - now
+                now = done
     pipeline = max(now, comm_free)
     exposed += pipeline - now
     params = spec.rank_params(0) / (lay.dp * lay.cp)
@@ -113,6 +129,8 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
     iteration = pipeline + step
     compute = sum(a.end - a.start for a in timed)
     wire = N * sum(2 * ag.wire_bytes + rs.wire_bytes for ag, rs in comms)
+    n = len(lay.data_cp_ranks())  # the trainer counts a ring's bytes whatever the backend sends
+    counted = N * sum(2 * ag.wire_bytes + (n - 1) / n * p * FSDP_GRAD_BYTES for (ag, _), (_, p) in zip(comms, fsdp_units(spec)))
     phases = {"FSDP gathers and reduce-scatters not hidden by compute": exposed,
               "step after the microbatches (optimizer on the 1/n shard)": step}
     tokens = spec.global_batch_size * s.seq_length
@@ -124,7 +142,7 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
     return replace(base, iteration_s=iteration, pipeline_s=pipeline, tokens_per_s=tokens / iteration,
                    mfu=flops / (iteration * lay.world * peak) if peak else None,
                    bubble=1.0 - compute / pipeline if pipeline > 0 else 0.0,
-                   bytes_per_link=({link.name: wire},), counter=({FSDP_KIND: int(wire)},), memory=mem,
+                   bytes_per_link=({link.name: wire},), counter=({FSDP_KIND: int(counted)},), memory=mem,
                    trace=trace, phases=phases, work=(compute + step,))
 
 

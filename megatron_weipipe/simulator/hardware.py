@@ -26,6 +26,8 @@ class DeviceSpec:
     hbm_gbs: float  # memory bandwidth, for elementwise work and the optimizer step
     memory_gb: float  # device memory, GB (1e9 bytes) as vendors state it
     causal_fraction: float = 0.5  # share of the attention square actually computed
+    streams: bool = True  # collectives run beside compute (CUDA streams); a CPU host has none
+    backend: str = "nccl"  # its collectives' library (gloo all-reduces the whole tensor to reduce-scatter)
 
     def validate(self) -> "DeviceSpec":
         require(self.peak_tflops > 0, f"device {self.name}: peak TFLOP/s must be positive")
@@ -54,7 +56,7 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 # A CPU host under --calibrate: costs are measured there; these figures only fill the record.
-CPU_HOST = DeviceSpec("cpu-host", 0.1, 1.0, 1.0, 20.0, 16.0)
+CPU_HOST = DeviceSpec("cpu-host", 0.1, 1.0, 1.0, 20.0, 16.0, streams=False, backend="gloo")
 
 
 @dataclass(frozen=True)

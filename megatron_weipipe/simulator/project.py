@@ -163,9 +163,12 @@ def _scaled(duration, efficiency: float):
 def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ...]:
     """Per ring rank (data-parallel rank 0, TP rank 0): bytes the run's BYTE_COUNTER
     records as sent in one training iteration, by the kinds the log line shows.
-    Collectives count their payload, including calls on groups of one rank."""
+    Collectives count their payload, except on groups of one rank (which send nothing):
+    the data-parallel gradient all-reduce at DP x CP = 1, the cross entropy's at TP = 1."""
     s, lay, P = spec.shape, spec.layout, spec.layout.pp
-    ce = 3 * s.tokens // lay.cp * 4  # vocab-parallel cross entropy: three fp32 [s, b] all-reduces
+    # vocab-parallel cross entropy: three fp32 [s, b] all-reduces over the tensor-parallel group
+    ce = 3 * s.tokens // lay.cp * 4 if lay.tp > 1 else 0
+    grads = lay.dp * lay.cp > 1  # DDP's all-reduce (or the distributed optimizer's) has peers
     out = []
     for r, acts in enumerate(schedule.ranks):
         row: dict[str, int] = {}
@@ -177,7 +180,7 @@ def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ..
             else:
                 kind = "gradients" if a.flow is Flow.GRADS else "weights"
             row[kind] = row.get(kind, 0) + spec.message_bytes(a)
-        coll = spec.rank_params(r) * 4 + FLAGS_BYTES + NORM_BYTES
+        coll = (spec.rank_params(r) * 4 if grads else 0) + FLAGS_BYTES + (NORM_BYTES if lay.tp * P > 1 else 0)
         if spec.is_weipipe:
             coll += spec.replicated_params() * 4 + ce * schedule.microbatches
         else:
@@ -185,7 +188,7 @@ def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ..
                 coll += s.word_embedding_params(lay.tp) * 4
             if r == P - 1:
                 coll += ce * spec.num_microbatches
-        if spec.distributed_optimizer:
+        if spec.distributed_optimizer and grads:
             coll += spec.rank_params(r) * spec.compute_bytes // (lay.dp * lay.cp)  # all-gather: this rank's shard
         if lay.cp > 1:
             # Ulysses / FPDT all-to-alls, payload as counted (the whole send buffer): per layer

@@ -107,36 +107,41 @@ def separated(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 
 def order_matches(measured: dict, predicted: dict) -> bool:
-    """Every pair of schedules that the measurement orders (``measured``: name -> (median,
-    min, max) tokens/s over rounds) is predicted in the same order. A pair whose rounds
-    overlap is a tie the measurement cannot break, and either predicted order agrees with it."""
+    """Every pair of schedules that both the measurement and the prediction order is ordered
+    alike. ``measured``: name -> (median, min, max) tokens/s over rounds; ``predicted``: name ->
+    tokens/s, or (value, min, max) over the calibration sets it was predicted from. A pair
+    whose measured rounds overlap is a tie the measurement cannot break, and one whose
+    predictions overlap a tie the calibrations cannot: either order agrees with a tie."""
+    pred = {k: v if isinstance(v, tuple) else (v, v, v) for k, v in predicted.items()}
     names = list(measured)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            if separated(measured[a][1:], measured[b][1:]) and \
-                    (measured[a][0] > measured[b][0]) != (predicted[a] > predicted[b]):
+            if separated(measured[a][1:], measured[b][1:]) and separated(pred[a][1:], pred[b][1:]) and \
+                    (measured[a][0] > measured[b][0]) != (pred[a][0] > pred[b][0]):
                 return False
     return True
 
 
 def compare_rows(rows: list[dict], predicted: dict) -> list[dict]:
     """Measured vs predicted per row, and per (preset, seq) whether the schedules' order
-    (fastest first) is the same where the measurement orders them (`order_matches`).
-    ``predicted``: (preset, seq, schedule) -> tokens/s. The row's compute seconds per
-    iteration (``busy_s_per_rank``, slowest rank) ride along."""
+    (fastest first) is the same where the measurement and the prediction order them
+    (`order_matches`). ``predicted``: (preset, seq, schedule) -> tokens/s, or (tokens/s, min,
+    max) over calibration sets. The row's compute seconds per iteration
+    (``busy_s_per_rank``, slowest rank) ride along."""
     groups: dict = {}
     for r in rows:
         key = (r["preset"], r["seq"], r["schedule"])
         if r.get("tokens_per_s") and key in predicted:
             busy = max(r["busy_s_per_rank"]) if r.get("busy_s_per_rank") else None
             rounds = r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]
-            groups.setdefault(key[:2], {})[key[2]] = ((r["tokens_per_s"], min(rounds), max(rounds)),
-                                                      predicted[key], r.get("bytes_sent"), busy)
+            p = predicted[key] if isinstance(predicted[key], tuple) else (predicted[key],) * 3
+            groups.setdefault(key[:2], {})[key[2]] = ((r["tokens_per_s"], min(rounds), max(rounds)), p,
+                                                      r.get("bytes_sent"), busy)
     out = []
     for (preset, seq), got in groups.items():
         same = order_matches({k: v[0] for k, v in got.items()}, {k: v[1] for k, v in got.items()})
         for name, ((measured, _, _), pred, sent, busy) in got.items():
-            out.append({"preset": preset, "seq": seq, "schedule": name, "measured": measured, "predicted": pred,
-                        "error": pred / measured - 1, "bytes_sent": sent, "order_matches": same,
-                        "computing_s": busy})
+            out.append({"preset": preset, "seq": seq, "schedule": name, "measured": measured, "predicted": pred[0],
+                        "predicted_range": pred[1:], "error": pred[0] / measured - 1, "bytes_sent": sent,
+                        "order_matches": same, "computing_s": busy})
     return out

@@ -165,18 +165,17 @@ def main(argv=None) -> int:
         for d in a.calibration_dir:
             os.makedirs(d, exist_ok=True)
         burst = TBF_BURST_BYTES if no_latency else 0.0  # without netem the testbed shapes the rate with tbf
-        cpb, message_s = 0.0, 0.0
+        cpb, waits = 0.0, [0.0] * len(a.calibration_dir)
         if a.measure_link:
             import host_calibration
 
-            import message_delay
-
             cpb = host_calibration.gloo_link().cpu_s_per_byte
-            message_s = sum(message_delay_for(d) for d in a.calibration_dir) / len(a.calibration_dir)
+            waits = [message_delay_for(d) for d in a.calibration_dir]
         if a.message_delay_us is not None:
-            message_s = a.message_delay_us * 1e-6
+            waits = [a.message_delay_us * 1e-6] * len(a.calibration_dir)
+        message_s = sum(waits) / len(waits)
         shape = TestbedShape(a.layers, a.hidden, a.heads, a.microbatches)
-        predicted, pbytes, pwork = {}, {}, {}
+        predicted, spread, pbytes, pwork = {}, {}, {}, {}
         for r in rows:
             if not r.get("tokens_per_s"):
                 continue
@@ -187,13 +186,18 @@ def main(argv=None) -> int:
             row_shape = TestbedShape(*(int(r.get(k, v)) for k, v in (
                 ("layers", shape.layers), ("hidden", shape.hidden), ("heads", shape.heads),
                 ("microbatches", shape.microbatches))))  # a row that states its shape wins over the flags
-            cal = calib.mean_of([calibration_for(r["seq"], row_shape, d, a.repeats) for d in a.calibration_dir])
-            fsdp2 = Fsdp2Overhead.mean_of([fsdp2_for(row_shape, d) for d in a.calibration_dir]) \
-                if r["schedule"] == "fsdp" else None
-            res = predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb,
-                                      burst_bytes=burst, fsdp2=fsdp2, message_s=message_s)
+            cals = [calibration_for(r["seq"], row_shape, d, a.repeats) for d in a.calibration_dir]
+            fsdp2s = [fsdp2_for(row_shape, d) if r["schedule"] == "fsdp" else None for d in a.calibration_dir]
+
+            def predict(cal, fsdp2, wait):
+                return predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb,
+                                           burst_bytes=burst, fsdp2=fsdp2, message_s=wait)
+
+            res = predict(calib.mean_of(cals), fsdp2s[0] and Fsdp2Overhead.mean_of(fsdp2s), message_s)
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
+            each = [predict(*inputs).tokens_per_s for inputs in zip(cals, fsdp2s, waits)]  # one per directory
+            spread[key] = (res.tokens_per_s, min(each), max(each))
             pbytes[key] = sum(sum(c.values()) for c in res.counter) / len(res.counter)  # the mean over ranks, as the testbed reports
             pwork[key] = max(res.work)
     except (OSError, ValueError, RuntimeError, SimulatorError) as e:
@@ -207,7 +211,7 @@ def main(argv=None) -> int:
             print(f"| {preset} | {seq} | {name} | {tps:.0f} | {tps / predicted[(preset, seq, '1f1b')]:.2f} | "
                   f"{pbytes[(preset, seq, name)] / 2**20:.2f} | {pwork[(preset, seq, name)]:.2f} |")
         return 0
-    compared = compare_rows(rows, predicted)
+    compared = compare_rows(rows, spread)
     print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {' + '.join(a.calibration_dir)} (CPU seconds, one "
           f"thread{', averaged' if len(a.calibration_dir) > 1 else ''}); "
