@@ -12,11 +12,11 @@ so a step that takes the GPU t seconds of compute and the link b/B seconds takes
 t x g/h and b/B x g/h: the ratio of compute to communication is the cluster's.
 
 Each preset is one pair of rank processes (bench/_testbed_rank.py) that runs the trainer's
-pretrain() (what pretrain_gpt.py runs) once per (round, sequence, schedule): the same
+pretrain() (what pretrain_gpt.py runs) once per (sequence, round, schedule): the same
 model, data (mock) and seed for every schedule, the schedules' order rotating each round so
-they interleave in time, and each round visiting every sequence, so that a row's rounds
-spread over the preset's minutes rather than the seconds of one sequence (the host's
-speed drifts by some 10% over minutes). Each run trains a warm-up iteration, which is not measured, and
+they interleave in time. Sequences run in increasing order: rounds that visited every
+sequence in turn (so that a row's rounds spread over the preset's minutes) made the 1K-2K
+runs that followed 16K-32K runs in the same process compute 10-20% slower. Each run trains a warm-up iteration, which is not measured, and
 then as many as make its tokens those of one 16K-token iteration (16 at 1K, 1 from 16K
 on; --iters fixes the count), so a short sequence's row is a median over as much work as a
 long one's rather than over one iteration of tens of milliseconds.
@@ -109,14 +109,12 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> list[dict]:
     p = PRESETS[preset]
     rate_bps, latency_s = p.emulated(flops)
     jobs, skipped = [], {}
-    names = {}
-    for seq in seqs:
+    for seq in seqs:  # sequence by sequence: a short run after long ones computes 10-20% slower here
         ok = runnable(seq, a)
         skipped[seq] = {n: why for n, why in ok.items() if why}
-        names[seq] = [n for n in a.schedules if not ok[n]]
-    for r in range(a.rounds):  # a round visits every sequence, so the rounds spread over the preset's time
-        for seq in (q for q in seqs if names[q]):
-            for n in names[seq][r % len(names[seq]):] + names[seq][:r % len(names[seq])]:
+        names = [n for n in a.schedules if not ok[n]]
+        for r in range(a.rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
                 trace = os.path.join(work, f"{preset}-{seq}-{r}-{n}")
                 jobs.append({"key": [seq, r, n], "trace": trace,
                              "argv": model_argv(seq, a) + schedule_argv(n, a) + ["--schedule-trace", trace]})

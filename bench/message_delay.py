@@ -7,11 +7,11 @@ an unshaped veth pair (tools/netns.py; --loopback: 127.0.0.1). Rank 0 posts a me
 (isend) and computes for a while before it waits, as the WeiPipe runtime posts its sends
 ahead of the next action; rank 1 waits for it and notes when it arrived. The delay is
 arrival minus posting (one host, one monotonic clock) minus the bytes' time at the link's
-own rate (measured here with one large message). On a host whose idle cores sleep, a
-message whose sender computes waits for the scheduler to run gloo's I/O thread beside the
-compute, and a waiting receiver for its core to wake: a few milliseconds, often, and
-almost nothing, often. The mean over sizes and compute spans is the fixed cost per message
-that tools/simulator_validation/testbed_compare.py adds to the emulated link of the
+own rate (measured here with one large message). On this host the delays are bimodal:
+most messages arrive within 0.1 ms, and many after 2 to 4 ms (a scheduler tick: gloo's
+I/O thread shares its core with the compute, and the waiting receiver's core may sleep).
+The mean over sizes and compute spans is the fixed cost per message that
+tools/simulator_validation/testbed_compare.py adds to the emulated link of the
 point-to-point rows. A microbenchmark of its own: no testbed row is read.
 """
 

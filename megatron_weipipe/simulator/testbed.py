@@ -106,20 +106,28 @@ def separated(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return a[1] < b[0] or b[1] < a[0]
 
 
-def order_matches(measured: dict, predicted: dict) -> bool:
-    """Every pair of schedules that both the measurement and the prediction order is ordered
-    alike. ``measured``: name -> (median, min, max) tokens/s over rounds; ``predicted``: name ->
-    tokens/s, or (value, min, max) over the calibration sets it was predicted from. A pair
-    whose measured rounds overlap is a tie the measurement cannot break, and one whose
-    predictions overlap a tie the calibrations cannot: either order agrees with a tie."""
+def ordered_pairs(measured: dict, predicted: dict) -> tuple[int, int]:
+    """(pairs of schedules that both the measurement and the prediction order, of those the
+    ones ordered alike). ``measured``: name -> (median, min, max) tokens/s over rounds;
+    ``predicted``: name -> tokens/s, or (value, min, max) over the calibration sets it was
+    predicted from. A pair whose measured rounds overlap is a tie the measurement cannot
+    break, one whose predictions overlap a tie the calibrations cannot."""
     pred = {k: v if isinstance(v, tuple) else (v, v, v) for k, v in predicted.items()}
     names = list(measured)
+    checked = alike = 0
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            if separated(measured[a][1:], measured[b][1:]) and separated(pred[a][1:], pred[b][1:]) and \
-                    (measured[a][0] > measured[b][0]) != (pred[a][0] > pred[b][0]):
-                return False
-    return True
+            if separated(measured[a][1:], measured[b][1:]) and separated(pred[a][1:], pred[b][1:]):
+                checked += 1
+                alike += (measured[a][0] > measured[b][0]) == (pred[a][0] > pred[b][0])
+    return checked, alike
+
+
+def order_matches(measured: dict, predicted: dict) -> bool:
+    """Every pair that both sides order (`ordered_pairs`) is ordered alike; either order
+    agrees with a tie."""
+    checked, alike = ordered_pairs(measured, predicted)
+    return checked == alike
 
 
 def compare_rows(rows: list[dict], predicted: dict) -> list[dict]:
@@ -139,9 +147,9 @@ def compare_rows(rows: list[dict], predicted: dict) -> list[dict]:
                                                       r.get("bytes_sent"), busy)
     out = []
     for (preset, seq), got in groups.items():
-        same = order_matches({k: v[0] for k, v in got.items()}, {k: v[1] for k, v in got.items()})
+        checked, alike = ordered_pairs({k: v[0] for k, v in got.items()}, {k: v[1] for k, v in got.items()})
         for name, ((measured, _, _), pred, sent, busy) in got.items():
             out.append({"preset": preset, "seq": seq, "schedule": name, "measured": measured, "predicted": pred[0],
                         "predicted_range": pred[1:], "error": pred[0] / measured - 1, "bytes_sent": sent,
-                        "order_matches": same, "computing_s": busy})
+                        "order_matches": checked == alike, "pairs": (checked, alike), "computing_s": busy})
     return out
