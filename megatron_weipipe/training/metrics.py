@@ -61,7 +61,7 @@ def training_log_line(
     parts.append(f"number of skipped iterations: {skipped:3d}")
     parts.append(f"number of nan iterations: {nan_iterations:3d}")
     parts.append(f"mem (GB): {mem_gb:.2f}")
-    if bytes_sent:
+    if bytes_sent is not None:  # "0B" on one rank: a one-rank group's collectives send nothing
         moved = " ".join(f"{k}={format_bytes(v)}" for k, v in sorted(bytes_sent.items()) if v)
         parts.append(f"sent/rank/iter: {moved or '0B'}")
     return " | ".join(parts) + " |"
