@@ -140,18 +140,14 @@ class ByteCounter:
 
             @functools.wraps(fn)
             def inner(*args, **kwargs):
-                if alone(args, kwargs):
-                    return fn(*args, **kwargs)
-                t = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
-                if isinstance(t, (list, tuple)):
-                    size = sum(nbytes(x) for x in t)
-                else:
-                    size = nbytes(t)
                 kind = counter._kind("collectives")
                 kind = kind if kind != "activations" else "collectives"
-                if kind != _UNCOUNTED:
-                    counter.add_sent(kind, size)
-                    counter.add_received(kind, size)
+                if kind == _UNCOUNTED or alone(args, kwargs):  # the cheap test first
+                    return fn(*args, **kwargs)
+                t = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
+                size = sum(nbytes(x) for x in t) if isinstance(t, (list, tuple)) else nbytes(t)
+                counter.add_sent(kind, size)
+                counter.add_received(kind, size)
                 return fn(*args, **kwargs)
 
             inner._counted = True

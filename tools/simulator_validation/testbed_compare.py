@@ -198,7 +198,8 @@ def main(argv=None) -> int:
                 return predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb,
                                            burst_bytes=burst, fsdp2=fsdp2, message_s=wait)
 
-            res = predict(calib.mean_of(cals), fsdp2s[0] and Fsdp2Overhead.mean_of(fsdp2s), message_s)
+            fsdp2 = Fsdp2Overhead.mean_of(fsdp2s) if r["schedule"] == "fsdp" else None
+            res = predict(calib.mean_of(cals), fsdp2, message_s)
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
             each = [predict(*inputs).tokens_per_s for inputs in zip(cals, fsdp2s, waits)]  # one per directory
