@@ -7,7 +7,11 @@ order in this one process (the import and process-group start-up are paid once; 
 builds its model, optimizer and data afresh, as pretrain_gpt.py does). Per job this rank
 records every logged iteration's wall time, this process's CPU seconds (the work, whatever
 else shares the core) and bytes sent by kind (pretrain's on_log, the
-numbers of the `sent/rank/iter` log line). OUT.json is rewritten after every job.
+numbers of the `sent/rank/iter` log line). A job with "calibrate" instead of "argv" times
+the layers of that shape here, on this rank's core, in the minute before the runs it
+precedes (tools/host_calibration.py; every rank times on its own, nothing is sent), so
+that a prediction is calibrated where and when the rows are measured. OUT.json is
+rewritten after every job.
 """
 
 import json
@@ -18,6 +22,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's package and pretrain_gpt.py
+sys.path.insert(1, os.path.join(ROOT, "tools"))  # host_calibration
 warnings.filterwarnings("ignore")
 
 
@@ -36,6 +41,10 @@ def main(jobs_path: str, out_path: str) -> int:
         jobs = json.load(f)
     results = []
     for job in jobs:
+        if "calibrate" in job:
+            results.append(dict(calibrate(job["calibrate"]), key=job["key"], rank=dist.get_rank()))
+            _write(results, out_path)
+            continue
         logs = []
         cfg = parse_config(job["argv"])
         t0 = time.time()
@@ -51,13 +60,34 @@ def main(jobs_path: str, out_path: str) -> int:
         destroy_model_parallel_groups()  # before the next job: its threads would share this core
         results.append({"key": job["key"], "wall_s": time.time() - t0, "iterations": logs,
                         "rank": dist.get_rank()})
-        with open(out_path + ".tmp", "w") as f:
-            json.dump(results, f)
-        os.replace(out_path + ".tmp", out_path)
+        _write(results, out_path)
     from megatron_weipipe.initialize import shutdown_distributed
 
     shutdown_distributed()
     return 0
+
+
+def calibrate(spec: dict) -> dict:
+    """{"calibration": HostCalibration as JSON, "wall_s"} of the testbed model at spec["seq"]:
+    a 1F1B stage's layers, as testbed_compare.py calibrates them, without the optimizer."""
+    import torch.distributed as dist
+
+    import host_calibration
+    from megatron_weipipe.simulator.testbed import TestbedShape
+
+    if not dist.is_initialized():  # the first job: the group pretrain() would start (env://)
+        dist.init_process_group("gloo")
+    shape = TestbedShape(spec["layers"], spec["hidden"], spec["heads"])
+    t0 = time.time()
+    cal = host_calibration.calibrate(shape.model(spec["seq"]), max(1, spec["layers"] // 2), repeats=spec["repeats"],
+                                     time_optimizer=False)
+    return {"calibration": json.loads(cal.to_json()), "wall_s": time.time() - t0}
+
+
+def _write(results: list, out_path: str) -> None:
+    with open(out_path + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(out_path + ".tmp", out_path)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,11 @@ runs that followed 16K-32K runs in the same process compute 10-20% slower. Each 
 then as many as make its tokens those of one 16K-token iteration (16 at 1K, 1 from 16K
 on; --iters fixes the count), so a short sequence's row is a median over as much work as a
 long one's rather than over one iteration of tens of milliseconds.
-Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (median of
+Before each sequence's runs both ranks time the model's layers at that sequence on their
+own cores (tools/host_calibration.py, in the rank processes; --calibrate-repeats 0 skips
+it): the --save file keeps these in-run calibrations for
+tools/simulator_validation/testbed_compare.py, since this host's speed drifts by 10% and
+more between minutes. Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (median of
 the per-round ratios, [min, max]); bytes each rank sends per iteration (the trainer's byte
 counter, the `sent/rank/iter` numbers); per rank, the seconds per iteration not computing
 (the per-action timestamps of --schedule-trace: iteration window minus compute, i.e.
@@ -104,8 +108,9 @@ def runnable(seq: int, a) -> dict[str, str | None]:
     return out
 
 
-def run_preset(preset: str, seqs, a, flops: float, work: str) -> list[dict]:
-    """All (seq, round, schedule) runs of one preset in one pair of rank processes."""
+def run_preset(preset: str, seqs, a, flops: float, work: str) -> tuple[list[dict], dict]:
+    """All (seq, round, schedule) runs of one preset in one pair of rank processes: the rows,
+    and {seq: [each rank's in-run calibration]}."""
     p = PRESETS[preset]
     rate_bps, latency_s = p.emulated(flops)
     jobs, skipped = [], {}
@@ -113,6 +118,9 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> list[dict]:
         ok = runnable(seq, a)
         skipped[seq] = {n: why for n, why in ok.items() if why}
         names = [n for n in a.schedules if not ok[n]]
+        if a.calibrate_repeats:
+            jobs.append({"key": [seq, -1, "calibration"], "calibrate": {
+                "seq": seq, "layers": a.layers, "hidden": a.hidden, "heads": a.heads, "repeats": a.calibrate_repeats}})
         for r in range(a.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 trace = os.path.join(work, f"{preset}-{seq}-{r}-{n}")
@@ -158,7 +166,9 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> list[dict]:
             why = f"timed out after {a.timeout:.0f}s" if all(c in (None, 0) for c in codes) else f"exit codes {codes}"
             raise RuntimeError(f"{preset}: rank processes {why}\n--- rank 0\n{tails[0]}\n--- rank 1\n{tails[1]}")
     per_rank = [{tuple(r["key"]): r for r in json.load(open(o))} for o in outs]
-    return collect(preset, seqs, a, jobs, per_rank, skipped)
+    cals = {seq: [rk[(seq, -1, "calibration")]["calibration"] for rk in per_rank]
+            for seq in seqs if (seq, -1, "calibration") in per_rank[0]}
+    return collect(preset, seqs, a, [j for j in jobs if "argv" in j], per_rank, skipped), cals
 
 
 def collect(preset, seqs, a, jobs, per_rank, skipped) -> list[dict]:
@@ -243,6 +253,8 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=None,
                     help="iterations per run, the first not measured (default: a warm-up, then 16K tokens' worth: "
                          "16 at 1K, 1 from 16K on)")
+    ap.add_argument("--calibrate-repeats", type=int, default=3,
+                    help="repeats of the in-run calibration before each sequence's runs (0: none)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per preset")
     ap.add_argument("--flops", type=float, default=None, help="host FLOP/s (default: measured at start-up)")
     return ap.parse_args(argv)
@@ -250,6 +262,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.calibrate_repeats < 0 or a.rounds < 1:
+        print("error: --rounds >= 1 and --calibrate-repeats >= 0", file=sys.stderr)
+        return 2
     reason = netns.available()
     if reason:
         print(f"error: {reason}", file=sys.stderr)
@@ -258,16 +273,17 @@ def main(argv=None) -> int:
     t0, load0 = time.time(), os.getloadavg()[0]
     flops = a.flops or host_flops()
     print(preset_table(flops, a.presets), file=sys.stderr, flush=True)  # kept if the run is cut short
-    rows = []
+    rows, cals = [], {}
     with tempfile.TemporaryDirectory(prefix="link_testbed") as work:
         for preset in a.presets:
             seqs = a.seqs or list(DEFAULT_SEQS) + list(LONG.get(preset, ()))
-            rows += run_preset(preset, seqs, a, flops, work)
+            got, cals[preset] = run_preset(preset, seqs, a, flops, work)
+            rows += got
             print(f"# {preset} done, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     if a.save:
         with open(a.save, "w") as f:
             json.dump({"argv": sys.argv[1:] if argv is None else argv, "flops": flops, "notes": sorted(NOTES),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "calibrations": cals}, f, indent=1)
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0

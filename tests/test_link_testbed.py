@@ -4,8 +4,8 @@ The real path: two rank processes in their own network namespaces on a tc-shaped
 each pinned to a core, training with the trainer's pretrain(). Checked: the JSON rows
 (keys, positive tokens/s, the byte counts by kind: activations for 1F1B, weights and
 gradients for WeiPipe, and WeiPipe's weight bytes equal to what its ring must move), the
-fsdp row present (run, or skipped with the trainer's reason), and no namespace of this run
-left behind. Skipped only where namespaces cannot be made (not root, no iproute2).
+fsdp row present (run, or skipped with the trainer's reason), each rank's in-run
+calibration in the --save file, and no namespace of this run left behind. Skipped only where namespaces cannot be made (not root, no iproute2).
 """
 
 import json
@@ -24,10 +24,12 @@ pytestmark = pytest.mark.skipif(_reason is not None, reason=f"network namespaces
 
 
 @pytest.mark.timeout(240)
-def test_smoke_one_preset_one_sequence():
+def test_smoke_one_preset_one_sequence(tmp_path):
+    saved = tmp_path / "sweep.json"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "link_testbed.py"), "--presets", "ib-edr", "--seqs", "256",
            "--rounds", "1", "--layers", "2", "--hidden", "32", "--heads", "2", "--microbatches", "2",
-           "--schedules", "1f1b", "weipipe-interleave", "fsdp", "--json", "--timeout", "200"]
+           "--schedules", "1f1b", "weipipe-interleave", "fsdp", "--json", "--timeout", "200",
+           "--save", str(saved), "--calibrate-repeats", "1"]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
@@ -53,3 +55,9 @@ def test_smoke_one_preset_one_sequence():
     assert "activations" not in rows["weipipe-interleave"]["bytes_by_kind"]
     assert rows["weipipe-interleave"]["bytes_by_kind"]["weights"] > 0
     assert rows["fsdp"]["bytes_by_kind"]["fsdp"] > 0 and "activations" not in rows["fsdp"]["bytes_by_kind"]
+    # both ranks timed the layers of this shape before the runs, on their own cores
+    cals = json.loads(saved.read_text())["calibrations"]
+    assert list(cals) == ["ib-edr"] and list(cals["ib-edr"]) == ["256"] and len(cals["ib-edr"]["256"]) == 2
+    for cal in cals["ib-edr"]["256"]:
+        assert cal["shape"]["seq_length"] == 256 and cal["shape"]["hidden_size"] == 32
+        assert cal["module"]["layers"] == 1 and cal["module"]["forward"] > 0 and cal["flat"]["backward"] > 0

@@ -3,6 +3,7 @@ the floor, node-shared links, per-schedule kernel efficiency. Pure Python, no pr
 
 from __future__ import annotations
 
+import json
 import shlex
 
 import pytest
@@ -279,3 +280,47 @@ def test_testbed_compare_bad_input_is_one_line(tmp_path, capsys):
         assert testbed_compare.main(["--testbed-json", str(path), "--flops", "1e10"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ")
+
+
+def test_testbed_compare_predicts_from_the_in_run_calibration(tmp_path, capsys):
+    """A --save file's in-run layer timings replace the directory's, rank by rank; the
+    optimizer step still comes from the directory; --no-in-run ignores them."""
+    from dataclasses import replace
+
+    from megatron_weipipe.simulator import calibration as calib
+    from simulator_validation import testbed_compare
+
+    seq, shape = 1024, _shape()
+    cal_dir = tmp_path / "cal"
+    cal_dir.mkdir()
+    directory = replace(_calibration(seq), optimizer_per_param=1e-6)
+    calib.save(directory, str(cal_dir / f"testbed-L{shape.layers}-h{shape.hidden}-a{shape.heads}-s{seq}.json"))
+    slow = [_calibration(seq, layer_f=0.02, layer_b=0.04), _calibration(seq, layer_f=0.03, layer_b=0.06)]
+    rows = [{"preset": "ib-edr", "seq": seq, "schedule": n, "tokens_per_s": 1000.0, "tokens_per_s_rounds": [1000.0],
+             "bytes_sent": 1, "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads}
+            for n in ("1f1b", "weipipe-interleave")]
+    saved = tmp_path / "sweep.json"
+    saved.write_text(json.dumps({"rows": rows, "flops": 1e15, "notes": [], "calibrations": {  # a fast link
+        "ib-edr": {str(seq): [json.loads(c.to_json()) for c in slow]}}}))
+
+    def predicted(*extra):
+        argv = ["--testbed-json", str(saved), "--calibration-dir", str(cal_dir), "--message-delay-us", "0", *extra]
+        assert testbed_compare.main(argv) == 0
+        out = capsys.readouterr().out
+        table = {line.split("|")[3].strip(): line.split("|")[5] for line in out.splitlines()
+                 if line.startswith("| ib-edr")}
+        return out, {k: float(v.split("[")[0]) for k, v in table.items()}, {k: v for k, v in table.items()}
+
+    out, in_run, ranges = predicted()
+    assert "layer timings in-run (1 preset-sequences, each rank)" in out
+    _, dirs, _ = predicted("--no-in-run")
+    for name in in_run:  # the in-run layers are 2x-3x the directory's: every row predicted slower
+        assert in_run[name] < 0.75 * dirs[name], (name, in_run, dirs)
+        lo, hi = (float(x) for x in ranges[name].split("[")[1].split("]")[0].split(","))
+        assert lo < in_run[name] < hi  # the two ranks' timings differ: a range, the mean inside it
+    other = json.loads(saved.read_text())
+    other["calibrations"]["ib-edr"][str(seq)] = [json.loads(_calibration(2048).to_json())] * 2
+    saved.write_text(json.dumps(other))
+    assert testbed_compare.main(["--testbed-json", str(saved), "--calibration-dir", str(cal_dir),
+                                 "--message-delay-us", "0"]) == 2
+    assert "in-run calibration is of another shape" in capsys.readouterr().err

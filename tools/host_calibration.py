@@ -38,14 +38,16 @@ from megatron_weipipe.simulator.calibration import HostCalibration, calibration_
 from megatron_weipipe.simulator.hardware import LinkSpec  # noqa: E402
 
 
-def pretrain_config_for(shape: ModelShape, num_layers: int):
-    """A PretrainConfig of this shape on one CPU process (fp32, dropout off)."""
+def pretrain_config_for(shape: ModelShape, num_layers: int, world_size: int = 1):
+    """A PretrainConfig of this shape on CPU (fp32, dropout off): one process, or each rank of
+    an already started group timing on its own (data parallel, nothing shared)."""
     from megatron_weipipe.config import ModelConfig, PretrainConfig, TrainingConfig
 
     model = ModelConfig.from_shape(replace(shape, num_layers=num_layers), hidden_dropout=0.0,
                                    attention_dropout=0.0, transformer_impl="local")
-    training = TrainingConfig(micro_batch_size=shape.micro_batch_size, global_batch_size=shape.micro_batch_size)
-    return PretrainConfig(model=model, training=training, world_size=1)
+    training = TrainingConfig(micro_batch_size=shape.micro_batch_size,
+                              global_batch_size=shape.micro_batch_size * world_size)
+    return PretrainConfig(model=model, training=training, world_size=world_size)
 
 
 class single_process_megatron:
@@ -68,19 +70,23 @@ class single_process_megatron:
     def __exit__(self, *exc):
         from megatron.core import parallel_state
 
-        from megatron_weipipe.initialize import shutdown_distributed
+        from megatron_weipipe.initialize import destroy_model_parallel_groups, shutdown_distributed
 
         if self.owned:
             shutdown_distributed()
         elif parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+            destroy_model_parallel_groups()  # their gloo threads would share the core with what is timed next
         return False
 
 
 def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, threads: int = 1,
               time_optimizer: bool = True) -> HostCalibration:
-    """Time one microbatch of `shape` through a chunk of `layers_per_chunk` layers and the ends."""
+    """Time one microbatch of `shape` through a chunk of `layers_per_chunk` layers and the ends.
+
+    In a process whose group is already started (a link-testbed rank), every rank times on
+    its own; time_optimizer=False there, since megatron-core DDP's step would all-reduce."""
     import torch
+    import torch.distributed as dist
 
     from megatron_weipipe.model.gpt import build_gpt_model
     from megatron_weipipe.schedules.runtime.flat import FlatLayout
@@ -88,7 +94,7 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
     torch.set_num_threads(threads)
     shape.validate()
     k = layers_per_chunk
-    cfg = pretrain_config_for(shape, k)
+    cfg = pretrain_config_for(shape, k, dist.get_world_size() if dist.is_initialized() else 1)
     with single_process_megatron(cfg):
         vocab = shape.padded_vocab()
         model = build_gpt_model(cfg, vocab, pre_process=True, post_process=True)

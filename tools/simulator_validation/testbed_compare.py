@@ -11,8 +11,12 @@ layer forward / backward, embedding, head, optimizer step; saved in --calibratio
 reused; several directories, e.g. timed before and after the sweep, are averaged, since
 this host's speed drifts by some 10% over tens of minutes), the testbed's own preset arithmetic (bench/testbed_presets.py: emulated rate and
 latency from the host's matmul FLOP/s, --flops or measured the way the testbed measures
-it) and, with --measure-link, gloo's CPU cost per byte from the link probe. The measured
-rows are read, never fitted. Reads the `--json` list or a `--save` file (rows, the host
+it) and, with --measure-link, gloo's CPU cost per byte from the link probe. A --save file
+of a sweep that calibrated in-run (bench/link_testbed.py --calibrate-repeats, the default)
+holds, per preset and sequence, each rank's layer timings from the minute before that
+sequence's runs: those replace the directories' layer, embedding and head timings (the
+optimizer step, FSDP2's fixed costs and the message wait still come from the directories;
+--no-in-run ignores them). The measured rows are read, never fitted. Reads the `--json` list or a `--save` file (rows, the host
 FLOP/s the testbed scaled by, and its notes: without tc netem it shapes the rate alone,
 and the prediction then leaves the latency out, as `--no-latency` does). Per row: measured
 and predicted tokens/s (the prediction from the mean of the calibration sets, with the
@@ -29,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -91,6 +96,14 @@ def message_delay_for(directory: str, probes: int = 3) -> float:
     return statistics.median(means)
 
 
+def in_run_calibrations(saved: dict) -> dict:
+    """{(preset, seq): [HostCalibration per rank]} from a --save file's "calibrations"."""
+    from megatron_weipipe.simulator.calibration import HostCalibration
+
+    return {(preset, int(seq)): [HostCalibration.from_json(json.dumps(c)) for c in ranks]
+            for preset, by_seq in saved.items() for seq, ranks in by_seq.items()}
+
+
 def table(compared: list[dict], predicted_bytes: dict, predicted_work: dict) -> str:
     lines = ["| preset | seq | schedule | measured tokens/s | predicted [over calibration sets] | error | "
              "MiB sent/rank/iter measured / "
@@ -137,19 +150,22 @@ def main(argv=None) -> int:
     ap.add_argument("--message-delay-us", type=float, default=None,
                     help="what a message waits beyond its bytes, instead of the probe's (default without "
                          "--measure-link: 0)")
+    ap.add_argument("--no-in-run", action="store_true",
+                    help="ignore the --save file's in-run calibrations: layer timings from the directories alone")
     ap.add_argument("--layers", type=int, default=TestbedShape.layers, help="the testbed's --layers")
     ap.add_argument("--hidden", type=int, default=TestbedShape.hidden, help="the testbed's --hidden")
     ap.add_argument("--heads", type=int, default=TestbedShape.heads, help="the testbed's --heads")
     ap.add_argument("--microbatches", type=int, default=4)
     a = ap.parse_args(argv)
     try:
-        no_latency = a.no_latency
+        no_latency, in_run = a.no_latency, {}
         if a.testbed_json:
             with open(a.testbed_json) as f:
                 rows = json.load(f)
             if isinstance(rows, dict) and "rows" in rows:  # --save's file: rows, the host FLOP/s, notes
                 a.flops = a.flops or rows.get("flops")
                 no_latency = no_latency or any("latency is not applied" in n for n in rows.get("notes", ()))
+                in_run = {} if a.no_in_run else in_run_calibrations(rows.get("calibrations", {}))
                 rows = rows["rows"]
         elif a.predict:
             from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES
@@ -199,10 +215,19 @@ def main(argv=None) -> int:
                                            burst_bytes=burst, fsdp2=fsdp2, message_s=wait)
 
             fsdp2 = Fsdp2Overhead.mean_of(fsdp2s) if r["schedule"] == "fsdp" else None
+            ranks = in_run.get((r["preset"], r["seq"]))
+            if ranks:  # the layers timed in the minute before this sequence's runs; the step from the directories
+                if ranks[0].shape != row_shape.model(r["seq"]):
+                    raise SimulatorError(f"{r['preset']} {r['seq']}: the in-run calibration is of another shape")
+                cals = [replace(c, optimizer_per_param=cal.optimizer_per_param) for c in ranks for cal in cals]
+                fsdp2s, row_waits = fsdp2s * len(ranks), waits * len(ranks)
+            else:
+                row_waits = waits
             res = predict(calib.mean_of(cals), fsdp2, message_s)
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
-            each = [predict(*inputs).tokens_per_s for inputs in zip(cals, fsdp2s, waits)]  # one per directory
+            # one per calibration set (directory, or rank x directory in-run)
+            each = [predict(*inputs).tokens_per_s for inputs in zip(cals, fsdp2s, row_waits)]
             spread[key] = (res.tokens_per_s, min(each), max(each))
             pbytes[key] = sum(sum(c.values()) for c in res.counter) / len(res.counter)  # the mean over ranks, as the testbed reports
             pwork[key] = max(res.work)
@@ -220,7 +245,8 @@ def main(argv=None) -> int:
     compared = compare_rows(rows, spread)
     print(f"# python tools/simulator_validation/testbed_compare.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# host {flops / 1e9:.1f} GFLOP/s; calibrations in {' + '.join(a.calibration_dir)} (CPU seconds, one "
-          f"thread{', averaged' if len(a.calibration_dir) > 1 else ''}); "
+          f"thread{', averaged' if len(a.calibration_dir) > 1 else ''})"
+          f"{f', layer timings in-run ({len(in_run)} preset-sequences, each rank)' if in_run else ''}; "
           f"gloo CPU {cpb * 1e9:.2f} ns per byte; {message_s * 1e3:.2f} ms per message beyond its bytes; "
           f"emulated latency {'not applied' if no_latency else 'applied'}"
           f"{f', tc tbf burst {burst / 1024:.0f} KiB' if burst else ''}")
