@@ -2,7 +2,8 @@
 
 Two ranks, each in its own network namespace (tools/netns.py: veth pair through a bridge,
 addresses 10.213.<net>.1/.2), each pinned to its own core (taskset) with one thread, the
-link shaped by tc (netem: rate and one-way latency). A preset scales a target cluster's
+link shaped by tc (netem: rate and one-way latency), TCP without delayed ACKs (the
+routes' quickack: a 40 ms delayed-ACK stall is TCP's, not the cluster link's). A preset scales a target cluster's
 compute:bandwidth ratio to this host: with h = this host's measured single-core matmul
 FLOP/s and g = the GPU's effective FLOP/s (peak x EFFICIENCY),
 
@@ -140,6 +141,7 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> tuple[list[dict
                 tb.shape(i, rate=f"{int(rate_bps * 8)}bit", burst=f"{TBF_BURST_BYTES}b", queue_ms=2000)
                 NOTES.add("tc netem is not available in this kernel: the emulated latency is not applied, "
                           f"the rate alone is (tc tbf, {TBF_BURST_BYTES // 1024} KiB burst, 2 s queue)")
+            tb.quick_ack(i)  # an interconnect has no delayed ACK (tools/netns.py)
         cores = sorted(os.sched_getaffinity(0))
         outs = [os.path.join(work, f"{preset}-rank{i}.json") for i in (0, 1)]
         logs = [open(os.path.join(work, f"{preset}-rank{i}.log"), "w") for i in (0, 1)]

@@ -3,7 +3,8 @@
     python bench/message_delay.py [--sizes 16384 65536 262144] [--compute-ms 2 5 10] [--reps 20] [--loopback]
 
 Two ranks, each pinned to its own core with one thread as the testbed's ranks are, over
-an unshaped veth pair (tools/netns.py; --loopback: 127.0.0.1). Rank 0 posts a message
+an unshaped veth pair without delayed ACKs, as the testbed's (tools/netns.py; --loopback:
+127.0.0.1). Rank 0 posts a message
 (isend) and computes for a while before it waits, as the WeiPipe runtime posts its sends
 ahead of the next action; rank 1 waits for it and notes when it arrived. The delay is
 arrival minus posting (one host, one monotonic clock) minus the bytes' time at the link's
@@ -92,6 +93,8 @@ def measure(sizes, spans, reps: int, loopback: bool = False, timeout: float = 30
             return _collect(procs, timeout)
         netns.remove_stale()
         with netns.Testbed(2) as tb:
+            for i in (0, 1):
+                tb.quick_ack(i)  # as the link testbed runs
             procs = [tb.popen(i, argv[i], env=dict(env, GLOO_SOCKET_IFNAME="eth0"), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in (0, 1)]
             return _collect(procs, timeout)

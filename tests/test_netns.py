@@ -35,6 +35,9 @@ def test_hosts_talk_by_name_until_the_link_is_cut_and_leave_nothing_behind():
         r = tb.run(1, [sys.executable, "-c", CLIENT], timeout=30)
         assert r.stdout.strip() == f"node1 got: node0 sees {tb.addr(1)}", r.stderr
         tb.shape(1, rate="100mbit")  # a tbf; connections still work
+        tb.quick_ack(1)  # and without delayed ACKs, on host 1 only
+        routes = [subprocess.run(["ip", "-n", ns, "route"], capture_output=True, text=True).stdout for ns in tb.ns]
+        assert "quickack 1" in routes[1] and "quickack" not in routes[0], routes
         assert tb.run(1, [sys.executable, "-c", CLIENT], timeout=30).returncode == 0
         tb.cut(1)
         r = tb.run(1, [sys.executable, "-c", CLIENT], timeout=30)
