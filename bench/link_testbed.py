@@ -3,9 +3,9 @@
 Two ranks, each in its own network namespace (tools/netns.py: veth pair through a bridge,
 addresses 10.213.<net>.1/.2), each pinned to its own core (taskset) with one thread, the
 link shaped by tc (netem: rate and one-way latency), TCP without delayed ACKs (the
-routes' quickack: a 40 ms delayed-ACK stall is TCP's, not the cluster link's). A preset scales a target cluster's
-compute:bandwidth ratio to this host: with h = this host's measured single-core matmul
-FLOP/s and g = the GPU's effective FLOP/s (peak x EFFICIENCY),
+routes' quickack: a 40 ms delayed-ACK stall is TCP's, not the cluster link's). A preset
+scales a target cluster's compute:bandwidth ratio to this host: with h = this host's
+measured single-core matmul FLOP/s and g = the GPU's effective FLOP/s (peak x EFFICIENCY),
 
     emulated bytes/s = link bytes/s x h / g,     emulated latency = link latency x g / h
 
@@ -17,15 +17,17 @@ pretrain() (what pretrain_gpt.py runs) once per (sequence, round, schedule): the
 model, data (mock) and seed for every schedule, the schedules' order rotating each round so
 they interleave in time. Sequences run in increasing order: rounds that visited every
 sequence in turn (so that a row's rounds spread over the preset's minutes) made the 1K-2K
-runs that followed 16K-32K runs in the same process compute 10-20% slower. Each run trains a warm-up iteration, which is not measured, and
-then as many as make its tokens those of one 16K-token iteration (16 at 1K, 1 from 16K
-on; --iters fixes the count), so a short sequence's row is a median over as much work as a
-long one's rather than over one iteration of tens of milliseconds.
+runs that followed 16K-32K runs in the same process compute 10-20% slower. Each run
+trains a warm-up iteration, which is not measured, and then as many as make its tokens
+those of one 16K-token iteration (16 at 1K, 1 from 16K on; --iters fixes the count), so a
+short sequence's row is a median over as much work as a long one's rather than over one
+iteration of tens of milliseconds.
 Before each sequence's runs both ranks time the model's layers at that sequence on their
 own cores (tools/host_calibration.py, in the rank processes; --calibrate-repeats 0 skips
 it): the --save file keeps these in-run calibrations for
 tools/simulator_validation/testbed_compare.py, since this host's speed drifts by 10% and
-more between minutes. Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (median of
+more between minutes.
+Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (median of
 the per-round ratios, [min, max]); bytes each rank sends per iteration (the trainer's byte
 counter, the `sent/rank/iter` numbers); per rank, the seconds per iteration not computing
 (the per-action timestamps of --schedule-trace: iteration window minus compute, i.e.

@@ -5,7 +5,8 @@ each pinned to a core, training with the trainer's pretrain(). Checked: the JSON
 (keys, positive tokens/s, the byte counts by kind: activations for 1F1B, weights and
 gradients for WeiPipe, and WeiPipe's weight bytes equal to what its ring must move), the
 fsdp row present (run, or skipped with the trainer's reason), each rank's in-run
-calibration in the --save file, and no namespace of this run left behind. Skipped only where namespaces cannot be made (not root, no iproute2).
+calibration in the --save file, and no namespace of this run left behind. Skipped only
+where namespaces cannot be made (not root, no iproute2).
 """
 
 import json
