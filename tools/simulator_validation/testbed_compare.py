@@ -215,19 +215,17 @@ def main(argv=None) -> int:
                                            burst_bytes=burst, fsdp2=fsdp2, message_s=wait)
 
             fsdp2 = Fsdp2Overhead.mean_of(fsdp2s) if r["schedule"] == "fsdp" else None
+            sets = list(zip(cals, fsdp2s, waits))  # one calibration set per directory
             ranks = in_run.get((r["preset"], r["seq"]))
             if ranks:  # the layers timed in the minute before this sequence's runs; the step from the directories
                 if ranks[0].shape != row_shape.model(r["seq"]):
                     raise SimulatorError(f"{r['preset']} {r['seq']}: the in-run calibration is of another shape")
-                cals = [replace(c, optimizer_per_param=cal.optimizer_per_param) for c in ranks for cal in cals]
-                fsdp2s, row_waits = fsdp2s * len(ranks), waits * len(ranks)
-            else:
-                row_waits = waits
-            res = predict(calib.mean_of(cals), fsdp2, message_s)
+                sets = [(replace(c, optimizer_per_param=cal.optimizer_per_param), f, w) for c in ranks
+                        for cal, f, w in sets]  # rank x directory
+            res = predict(calib.mean_of([cal for cal, _, _ in sets]), fsdp2, message_s)
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
-            # one per calibration set (directory, or rank x directory in-run)
-            each = [predict(*inputs).tokens_per_s for inputs in zip(cals, fsdp2s, row_waits)]
+            each = [predict(*one).tokens_per_s for one in sets]
             spread[key] = (res.tokens_per_s, min(each), max(each))
             pbytes[key] = sum(sum(c.values()) for c in res.counter) / len(res.counter)  # the mean over ranks, as the testbed reports
             pwork[key] = max(res.work)
