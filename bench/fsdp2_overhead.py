@@ -1,4 +1,5 @@
-"""FSDP2's fixed cost per unit and pass on this host: the testbed's FSDP row against plain DDP.
+"""FSDP2's fixed cost per unit and pass on this host: the testbed's FSDP row against plain DDP;
+and the training loop's own cost per iteration.
 
     python bench/fsdp2_overhead.py [--seq 512] [--rounds 2] [--layers 2 --hidden 32 --heads 2]
 
@@ -12,8 +13,13 @@ the DTensor bookkeeping, the copies in and out of the gathered buffers, and each
 collective's own cost over gloo (its bytes take microseconds on loopback at this size).
 Divided by the units (embedding, each layer, the root), it is the per-unit cost that
 tools/simulator_validation/testbed_compare.py adds to its FSDP rows; the link's time for
-the collectives' bytes is the simulator's own. A microbenchmark of its own: no testbed
-row is read. Prints a table and, with --json, the numbers.
+the collectives' bytes is the simulator's own. The DDP runs also give the training loop's
+own time per iteration, which every schedule pays: from one iteration's end to the next
+one's start, less the optimizer step (reading the microbatches, zeroing the gradients,
+the per-iteration flag all-reduce, logging). testbed_compare.py adds it to the
+point-to-point rows; FSDP's step besides its microbatches holds it already. A
+microbenchmark of its own: no testbed row is read. Prints a table and, with --json, the
+numbers.
 """
 
 from __future__ import annotations
@@ -102,13 +108,16 @@ def measure(a) -> dict:
             cost = measured.measure(measured.load(job["trace"])).mean_cost_s
             its = [rk[(r, name)]["iterations"][1:] for rk in per_rank]  # the first is the warm-up
             iter_s = statistics.median(max(x["elapsed_ms"] for x in pair) / 1e3 for pair in zip(*its))
-            out[name].append({"forward": cost["forward"], "backward": cost["backward"], "iteration": iter_s})
+            loop = measured.between_iterations_s(measured.load(job["trace"]))
+            out[name].append({"forward": cost["forward"], "backward": cost["backward"], "iteration": iter_s,
+                              "loop": statistics.mean(loop) if loop else float("nan")})
     return out
 
 
 def overhead(runs: dict, layers: int, microbatches_per_rank: int) -> dict:
-    """FSDP2's seconds per unit and pass (the medians over rounds of FSDP minus DDP), and
-    its iteration's seconds besides its microbatches."""
+    """FSDP2's seconds per unit and pass (the medians over rounds of FSDP minus DDP), its
+    iteration's seconds besides its microbatches, and the training loop's own seconds per
+    iteration (the DDP runs: outside the schedule and the optimizer step)."""
     n = units(layers)
     res = {}
     for kind in ("forward", "backward", "iteration"):
@@ -117,6 +126,7 @@ def overhead(runs: dict, layers: int, microbatches_per_rank: int) -> dict:
         res[kind] = {"fsdp_s": f, "ddp_s": d, "per_unit_s": max(0.0, f - d) / n}
     res["step_s"] = statistics.median(x["iteration"] - microbatches_per_rank * (x["forward"] + x["backward"])
                                       for x in runs["fsdp"])
+    res["loop_s"] = statistics.median(x["loop"] for x in runs["ddp"])
     return res
 
 
@@ -136,7 +146,7 @@ def parse_args(argv=None):
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8, help="per iteration: 4 per rank")
-    ap.add_argument("--iters", type=int, default=3, help="iterations per run; the first is not measured")
+    ap.add_argument("--iters", type=int, default=6, help="iterations per run; the first is not measured")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--netns", action="store_true",
                     help="each rank in its own network namespace over an unshaped veth pair, as the testbed runs "
@@ -171,6 +181,8 @@ def main(argv=None) -> int:
           f"{r['ddp_s'] * 1e3:.2f} ms | {(r['fsdp_s'] - r['ddp_s']) * 1e3:.2f} ms | |")
     print(f"\nFSDP2's step besides its microbatches (iteration - microbatches x (forward + backward)): "
           f"{res['step_s'] * 1e3:.2f} ms")
+    print(f"the training loop's own time per iteration (DDP: between iterations, besides the optimizer step): "
+          f"{res['loop_s'] * 1e3:.2f} ms")
     return 0
 
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import schedule_timeline  # tools/
 
-from megatron_weipipe.schedules.plan.measured import TraceError, load, measure
+from megatron_weipipe.schedules.plan.measured import TraceError, between_iterations_s, load, measure
 
 
 def _event(name, cat, ts, dur, it, **args):
@@ -60,6 +60,13 @@ def test_measured_bubble_is_idle_over_all_ranks_without_first_iteration_or_optim
     assert m.ranks[0].send_s == 0 and m.ranks[1].wait_s == 0
     assert m.mean_cost_s["forward"] == pytest.approx(35e-6)
     assert m.iteration_s == pytest.approx([120e-6, 120e-6])
+
+
+def test_between_iterations_is_the_loop_outside_the_schedule_and_the_step(tmp_path):
+    _two_ranks(str(tmp_path))
+    # iteration 2's window ends at 2120 us, iteration 3's starts at 3000 us; the 500 us
+    # optimizer step between them does not count, nor does the gap after the warm-up
+    assert between_iterations_s(load(str(tmp_path))) == pytest.approx([380e-6])
 
 
 def test_tool_json_and_text(tmp_path, capsys):

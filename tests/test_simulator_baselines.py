@@ -246,6 +246,13 @@ def test_testbed_row_takes_the_measured_fixed_costs():
     fsdp = predict_testbed_row("fsdp", seq, 1e15, 0.0, cal, shape, fsdp2=over, message_s=0.01)
     assert fsdp.pipeline_s - plain["fsdp"].pipeline_s == pytest.approx(2 * 6 * 3e-3, rel=1e-6)
     assert fsdp.iteration_s - fsdp.pipeline_s == pytest.approx(0.05)
+    # the training loop's own time per iteration: added to the point-to-point rows, not to
+    # FSDP's, whose measured step holds it
+    looped = predict_testbed_row("1f1b", seq, 1e15, 0.0, cal, shape, loop_s=0.004)
+    assert looped.iteration_s == pytest.approx(plain["1f1b"].iteration_s + 0.004)
+    assert looped.tokens_per_s * looped.iteration_s == pytest.approx(plain["1f1b"].tokens_per_s * plain["1f1b"].iteration_s)
+    assert predict_testbed_row("fsdp", seq, 1e15, 0.0, cal, shape, fsdp2=over, message_s=0.01,
+                               loop_s=0.004).iteration_s == pytest.approx(fsdp.iteration_s)
     # a token bucket passes what it saved at once on a slow link, for 1F1B's activations
     # and FSDP's gathers alike
     for name in ("1f1b", "fsdp"):
@@ -284,7 +291,8 @@ def test_testbed_compare_bad_input_is_one_line(tmp_path, capsys):
 
 def test_testbed_compare_predicts_from_the_in_run_calibration(tmp_path, capsys):
     """A --save file's in-run layer timings replace the directory's, rank by rank; the
-    optimizer step still comes from the directory; --no-in-run ignores them."""
+    optimizer step and the training loop's time still come from the directory; --no-in-run
+    ignores the in-run timings, --no-loop the loop's."""
     from dataclasses import replace
 
     from megatron_weipipe.simulator import calibration as calib
@@ -295,6 +303,7 @@ def test_testbed_compare_predicts_from_the_in_run_calibration(tmp_path, capsys):
     cal_dir.mkdir()
     directory = replace(_calibration(seq), optimizer_per_param=1e-6)
     calib.save(directory, str(cal_dir / f"testbed-L{shape.layers}-h{shape.hidden}-a{shape.heads}-s{seq}.json"))
+    (cal_dir / f"loop-L{shape.layers}-h{shape.hidden}-a{shape.heads}.json").write_text('{"seconds": 0.01}')
     slow = [_calibration(seq, layer_f=0.02, layer_b=0.04), _calibration(seq, layer_f=0.03, layer_b=0.06)]
     rows = [{"preset": "ib-edr", "seq": seq, "schedule": n, "tokens_per_s": 1000.0, "tokens_per_s_rounds": [1000.0],
              "bytes_sent": 1, "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads}
@@ -318,6 +327,11 @@ def test_testbed_compare_predicts_from_the_in_run_calibration(tmp_path, capsys):
         assert in_run[name] < 0.75 * dirs[name], (name, in_run, dirs)
         lo, hi = (float(x) for x in ranges[name].split("[")[1].split("]")[0].split(","))
         assert lo < in_run[name] < hi  # the two ranks' timings differ: a range, the mean inside it
+    out, unlooped, _ = predicted("--no-loop")
+    assert "training loop 10.00 ms per iteration" in predicted()[0] and "training loop 0.00 ms" in out
+    tokens = 4 * seq  # the global batch: 10 ms more per iteration than without the loop
+    for name in in_run:
+        assert tokens / in_run[name] == pytest.approx(tokens / unlooped[name] + 0.01, rel=1e-3), name
     other = json.loads(saved.read_text())
     other["calibrations"]["ib-edr"][str(seq)] = [json.loads(_calibration(2048).to_json())] * 2
     saved.write_text(json.dumps(other))

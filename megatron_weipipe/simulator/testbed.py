@@ -6,7 +6,8 @@ SDPA attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (
 interleaved with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1,
 DP = 2). The prediction replays the same schedule with the costs of a HostCalibration of
 the same shape (layer forward / backward, embedding, head, optimizer step, timed by
-tools/host_calibration.py), FSDP2's fixed costs per unit (bench/fsdp2_overhead.py) and
+tools/host_calibration.py), FSDP2's fixed costs per unit and the training loop's per
+iteration (bench/fsdp2_overhead.py) and
 the emulated link as tc shapes it: its rate, its latency where netem applies it, its
 token bucket where tbf shapes the rate alone, plus what a gloo message costs on this host
 (tools/host_calibration.py's link probe: CPU per byte, fixed seconds per message).
@@ -70,13 +71,16 @@ def testbed_cluster(rate_bytes_s: float, latency_s: float, cpu_s_per_byte: float
 def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s: float,
                         calibration: HostCalibration, shape: TestbedShape = TestbedShape(),
                         cpu_s_per_byte: Optional[float] = None, burst_bytes: float = 0.0,
-                        fsdp2: Optional[Fsdp2Overhead] = None, message_s: float = 0.0) -> ScheduleResult:
+                        fsdp2: Optional[Fsdp2Overhead] = None, message_s: float = 0.0,
+                        loop_s: float = 0.0) -> ScheduleResult:
     """Predicted iteration (tokens/s, bytes) of one testbed row. ``calibration``: this host's
     timings of the same model shape and sequence (any chunk size; chunks scale per layer);
     ``fsdp2``: FSDP2's fixed costs of the same shape (the FSDP row without them counts its
     compute and bytes alone); ``message_s``: what a gloo message waits on this host beyond
     its bytes (bench/message_delay.py), added to ``latency_s`` except where FSDP2's measured
-    fixed costs already hold it."""
+    fixed costs already hold it; ``loop_s``: the training loop's own seconds per iteration
+    outside the schedule and the optimizer step (bench/fsdp2_overhead.py's DDP runs), added
+    likewise (FSDP2's measured step holds it)."""
     spec = testbed_spec(schedule, seq, shape)
     c = calibration.shape
     if (c.hidden_size, c.num_attention_heads, c.seq_length) != (shape.hidden, shape.heads, seq):
@@ -92,7 +96,12 @@ def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s:
                         fsdp_step=fsdp2.step_s)
     else:
         latency_s += message_s
-    return simulate_run(spec, testbed_cluster(rate_bytes_s, latency_s, cpu_s_per_byte, burst_bytes), costs)
+    res = simulate_run(spec, testbed_cluster(rate_bytes_s, latency_s, cpu_s_per_byte, burst_bytes), costs)
+    if (schedule == "fsdp" and fsdp2 is not None) or not loop_s:
+        return res
+    iteration = res.iteration_s + loop_s
+    return replace(res, iteration_s=iteration, tokens_per_s=res.tokens_per_s * res.iteration_s / iteration,
+                   phases={**res.phases, "training loop besides the schedule and the step": loop_s})
 
 
 def order(values: dict) -> list:

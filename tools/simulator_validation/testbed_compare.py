@@ -11,11 +11,14 @@ layer forward / backward, embedding, head, optimizer step; saved in --calibratio
 reused; several directories, e.g. timed before and after the sweep, are averaged, since
 this host's speed drifts by some 10% over tens of minutes), the testbed's own preset arithmetic (bench/testbed_presets.py: emulated rate and
 latency from the host's matmul FLOP/s, --flops or measured the way the testbed measures
-it) and, with --measure-link, gloo's CPU cost per byte from the link probe. A --save file
+it), the trainer's fixed costs (bench/fsdp2_overhead.py: FSDP2's per unit, the training
+loop's per iteration; --no-loop leaves the loop's out) and, with --measure-link, gloo's CPU
+cost per byte from the link probe. A --save file
 of a sweep that calibrated in-run (bench/link_testbed.py --calibrate-repeats, the default)
 holds, per preset and sequence, each rank's layer timings from the minute before that
 sequence's runs: those replace the directories' layer, embedding and head timings (the
-optimizer step, FSDP2's fixed costs and the message wait still come from the directories;
+optimizer step, FSDP2's fixed costs, the training loop's time per iteration and the message
+wait still come from the directories;
 --no-in-run ignores them). The measured rows are read, never fitted. Reads the `--json` list or a `--save` file (rows, the host
 FLOP/s the testbed scaled by, and its notes: without tc netem it shapes the rate alone,
 and the prediction then leaves the latency out, as `--no-latency` does). Per row: measured
@@ -56,24 +59,46 @@ def calibration_for(seq: int, shape, directory: str, repeats: int):
     return cal
 
 
-def fsdp2_for(shape, directory: str):
-    """FSDP2's fixed costs of the testbed's model on this host (bench/fsdp2_overhead.py, over a
-    veth pair as the testbed runs where namespaces are permitted, else loopback), cached."""
-    from megatron_weipipe.simulator.calibration import Fsdp2Overhead
+def _trainer_probe_paths(shape, directory: str) -> dict:
+    name = f"L{shape.layers}-h{shape.hidden}-a{shape.heads}.json"
+    return {kind: os.path.join(directory, f"{kind}-{name}") for kind in ("fsdp2", "loop")}
 
-    path = os.path.join(directory, f"fsdp2-L{shape.layers}-h{shape.hidden}-a{shape.heads}.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return Fsdp2Overhead.from_json(f.read())
+
+def _probe_trainer(shape, directory: str) -> None:
+    """Time bench/fsdp2_overhead.py here (over a veth pair as the testbed runs where
+    namespaces are permitted, else loopback) and write what the directory lacks of its two
+    results: FSDP2's fixed costs and the training loop's seconds per iteration."""
     import fsdp2_overhead
     import netns
 
     args = ["--layers", str(shape.layers), "--hidden", str(shape.hidden), "--heads", str(shape.heads), "--rounds", "4"]
     veth = ["--netns"] if netns.available() is None else []  # None: namespaces are permitted here
-    over, _ = fsdp2_overhead.fsdp2_overhead(fsdp2_overhead.parse_args(args + veth))
-    with open(path, "w") as f:
-        f.write(over.to_json())
-    return over
+    over, res = fsdp2_overhead.fsdp2_overhead(fsdp2_overhead.parse_args(args + veth))
+    paths = _trainer_probe_paths(shape, directory)
+    for kind, text in (("fsdp2", over.to_json()), ("loop", json.dumps({"seconds": res["loop_s"]}))):
+        if not os.path.exists(paths[kind]):
+            with open(paths[kind], "w") as f:
+                f.write(text)
+
+
+def fsdp2_for(shape, directory: str):
+    """FSDP2's fixed costs of the testbed's model on this host, cached (`_probe_trainer`)."""
+    from megatron_weipipe.simulator.calibration import Fsdp2Overhead
+
+    path = _trainer_probe_paths(shape, directory)["fsdp2"]
+    if not os.path.exists(path):
+        _probe_trainer(shape, directory)
+    with open(path) as f:
+        return Fsdp2Overhead.from_json(f.read())
+
+
+def loop_for(shape, directory: str) -> float:
+    """The training loop's own seconds per iteration on this host, cached (`_probe_trainer`)."""
+    path = _trainer_probe_paths(shape, directory)["loop"]
+    if not os.path.exists(path):
+        _probe_trainer(shape, directory)
+    with open(path) as f:
+        return json.load(f)["seconds"]
 
 
 def message_delay_for(directory: str, probes: int = 3) -> float:
@@ -150,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--message-delay-us", type=float, default=None,
                     help="what a message waits beyond its bytes, instead of the probe's (default without "
                          "--measure-link: 0)")
+    ap.add_argument("--no-loop", action="store_true",
+                    help="leave out the training loop's own time per iteration (bench/fsdp2_overhead.py's DDP runs)")
     ap.add_argument("--no-in-run", action="store_true",
                     help="ignore the --save file's in-run calibrations: layer timings from the directories alone")
     ap.add_argument("--layers", type=int, default=TestbedShape.layers, help="the testbed's --layers")
@@ -196,7 +223,7 @@ def main(argv=None) -> int:
             waits = [a.message_delay_us * 1e-6] * len(a.calibration_dir)
         message_s = sum(waits) / len(waits)
         shape = TestbedShape(a.layers, a.hidden, a.heads, a.microbatches)
-        predicted, spread, pbytes, pwork = {}, {}, {}, {}
+        predicted, spread, pbytes, pwork, loop_seen = {}, {}, {}, {}, set()
         for r in rows:
             if not r.get("tokens_per_s"):
                 continue
@@ -209,20 +236,22 @@ def main(argv=None) -> int:
                 ("microbatches", shape.microbatches))))  # a row that states its shape wins over the flags
             cals = [calibration_for(r["seq"], row_shape, d, a.repeats) for d in a.calibration_dir]
             fsdp2s = [fsdp2_for(row_shape, d) if r["schedule"] == "fsdp" else None for d in a.calibration_dir]
+            loops = [0.0 if a.no_loop else loop_for(row_shape, d) for d in a.calibration_dir]
+            loop_seen.add(sum(loops) / len(loops))
 
-            def predict(cal, fsdp2, wait):
+            def predict(cal, fsdp2, wait, loop):
                 return predict_testbed_row(r["schedule"], r["seq"], rate, latency, cal, row_shape, cpu_s_per_byte=cpb,
-                                           burst_bytes=burst, fsdp2=fsdp2, message_s=wait)
+                                           burst_bytes=burst, fsdp2=fsdp2, message_s=wait, loop_s=loop)
 
             fsdp2 = Fsdp2Overhead.mean_of(fsdp2s) if r["schedule"] == "fsdp" else None
-            sets = list(zip(cals, fsdp2s, waits))  # one calibration set per directory
+            sets = list(zip(cals, fsdp2s, waits, loops))  # one calibration set per directory
             ranks = in_run.get((r["preset"], r["seq"]))
             if ranks:  # the layers timed in the minute before this sequence's runs; the step from the directories
                 if ranks[0].shape != row_shape.model(r["seq"]):
                     raise SimulatorError(f"{r['preset']} {r['seq']}: the in-run calibration is of another shape")
-                sets = [(replace(c, optimizer_per_param=cal.optimizer_per_param), f, w) for c in ranks
-                        for cal, f, w in sets]  # rank x directory
-            res = predict(calib.mean_of([cal for cal, _, _ in sets]), fsdp2, message_s)
+                sets = [(replace(c, optimizer_per_param=cal.optimizer_per_param), *rest) for c in ranks
+                        for cal, *rest in sets]  # rank x directory
+            res = predict(calib.mean_of([s[0] for s in sets]), fsdp2, message_s, sum(loops) / len(loops))
             key = (r["preset"], r["seq"], r["schedule"])
             predicted[key] = res.tokens_per_s
             each = [predict(*one).tokens_per_s for one in sets]
@@ -246,6 +275,7 @@ def main(argv=None) -> int:
           f"thread{', averaged' if len(a.calibration_dir) > 1 else ''})"
           f"{f', layer timings in-run ({len(in_run)} preset-sequences, each rank)' if in_run else ''}; "
           f"gloo CPU {cpb * 1e9:.2f} ns per byte; {message_s * 1e3:.2f} ms per message beyond its bytes; "
+          f"training loop {' / '.join(f'{x * 1e3:.2f}' for x in sorted(loop_seen))} ms per iteration; "
           f"emulated latency {'not applied' if no_latency else 'applied'}"
           f"{f', tc tbf burst {burst / 1024:.0f} KiB' if burst else ''}")
     print(table(compared, pbytes, pwork))

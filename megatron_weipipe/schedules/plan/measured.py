@@ -153,6 +153,24 @@ def measure(traces: list[RankTrace], skip_first: bool = True) -> Measured:
                     [(win[it][1] - win[it][0]) / 1e6 for it in its])
 
 
+def between_iterations_s(traces: list[RankTrace]) -> list[float]:
+    """Seconds the training loop spends per iteration outside the schedule and the optimizer
+    step (reading the next microbatches, zeroing gradients, the per-iteration flag
+    all-reduce, logging): from one iteration's window end to the next one's start, less the
+    longest `optimizer` event between them. One value per consecutive pair after the first
+    iteration (warm-up). Meaningful where the ranks end their iterations together (PP = 1,
+    DP > 1); in a pipeline the first rank to finish also waits here for the last."""
+    win = windows(traces)
+    opt: dict[int, float] = {}
+    for t in traces:
+        for e in t.events:
+            if e.get("cat") == "optimizer":
+                it = e["args"]["iteration"]
+                opt[it] = max(opt.get(it, 0.0), e["dur"])
+    its = sorted(win)[1:]
+    return [(win[b][0] - win[a][1] - opt.get(a, 0.0)) / 1e6 for a, b in zip(its, its[1:]) if b == a + 1]
+
+
 def last_window_rows(traces: list[RankTrace], width: int) -> tuple[list[str], float]:
     """Text timeline of the last traced iteration: one row per rank, one character per
     1/width of the window (F forward, L loss, B backward, I input, W weight, . idle)."""
