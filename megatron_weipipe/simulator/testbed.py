@@ -6,11 +6,11 @@ SDPA attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (
 interleaved with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1,
 DP = 2). The prediction replays the same schedule with the costs of a HostCalibration of
 the same shape (layer forward / backward, embedding, head, optimizer step, timed by
-tools/host_calibration.py), FSDP2's fixed costs per unit and the training loop's per
-iteration (bench/fsdp2_overhead.py) and
-the emulated link as tc shapes it: its rate, its latency where netem applies it, its
-token bucket where tbf shapes the rate alone, plus what a gloo message costs on this host
-(tools/host_calibration.py's link probe: CPU per byte, fixed seconds per message).
+tools/host_calibration.py), the trainer's fixed costs (bench/fsdp2_overhead.py: FSDP2's
+per unit, the training loop's per iteration) and the emulated link as tc shapes it: its
+rate, its latency where netem applies it, its token bucket where tbf shapes the rate
+alone, plus what a gloo message costs on this host (tools/host_calibration.py's link
+probe: CPU per byte; bench/message_delay.py: fixed seconds per message).
 Nothing is fitted to the testbed's rows.
 """
 

@@ -6,28 +6,31 @@
         [--layers 2 --hidden 32 --heads 2 --microbatches 4]     # the testbed's shape flags
 
 The prediction (megatron_weipipe/simulator/testbed.py) uses only microbenchmarks of this
-host: one calibration per sequence length of the testbed's model (tools/host_calibration.py:
-layer forward / backward, embedding, head, optimizer step; saved in --calibration-dir and
-reused; several directories, e.g. timed before and after the sweep, are averaged, since
-this host's speed drifts by some 10% over tens of minutes), the testbed's own preset arithmetic (bench/testbed_presets.py: emulated rate and
-latency from the host's matmul FLOP/s, --flops or measured the way the testbed measures
-it), the trainer's fixed costs (bench/fsdp2_overhead.py: FSDP2's per unit, the training
-loop's per iteration; --no-loop leaves the loop's out) and, with --measure-link, gloo's CPU
-cost per byte from the link probe. A --save file
-of a sweep that calibrated in-run (bench/link_testbed.py --calibrate-repeats, the default)
-holds, per preset and sequence, each rank's layer timings from the minute before that
-sequence's runs: those replace the directories' layer, embedding and head timings (the
-optimizer step, FSDP2's fixed costs, the training loop's time per iteration and the message
-wait still come from the directories;
---no-in-run ignores them). The measured rows are read, never fitted. Reads the `--json` list or a `--save` file (rows, the host
-FLOP/s the testbed scaled by, and its notes: without tc netem it shapes the rate alone,
-and the prediction then leaves the latency out, as `--no-latency` does). Per row: measured
-and predicted tokens/s (the prediction from the mean of the calibration sets, with the
-range the sets give one by one), the error, bytes sent measured / predicted, and whether
-the order of the schedules (fastest first) at that preset and sequence is the same for
-every pair that both sides order: a pair whose measured rounds overlap, or whose
-predictions from the calibration sets overlap, is a tie. Bad input: one line, exit
-status 2.
+host:
+- one calibration per sequence length of the testbed's model (tools/host_calibration.py:
+  layer forward / backward, embedding, head, optimizer step), saved in --calibration-dir
+  and reused. Several directories, e.g. timed before and after the sweep, are averaged,
+  since this host's speed drifts by some 10% over tens of minutes;
+- the testbed's own preset arithmetic (bench/testbed_presets.py: emulated rate and latency
+  from the host's matmul FLOP/s, --flops or measured the way the testbed measures it);
+- the trainer's fixed costs (bench/fsdp2_overhead.py): FSDP2's per unit and pass, and the
+  training loop's per iteration (--no-loop leaves the loop's out);
+- with --measure-link, gloo's CPU cost per byte (the link probe) and what a message waits
+  beyond its bytes (bench/message_delay.py).
+A --save file of a sweep that calibrated in-run (bench/link_testbed.py --calibrate-repeats,
+the default) holds, per preset and sequence, each rank's layer timings from the minute
+before that sequence's runs. Those replace the directories' layer, embedding and head
+timings; the optimizer step and the other microbenchmarks still come from the directories
+(--no-in-run ignores the in-run timings). The measured rows are read, never fitted.
+
+Reads the `--json` list or a `--save` file (rows, the host FLOP/s the testbed scaled by,
+and its notes: without tc netem it shapes the rate alone, and the prediction then leaves
+the latency out, as `--no-latency` does). Per row: measured and predicted tokens/s (the
+prediction from the mean of the calibration sets, with the range the sets give one by
+one), the error, bytes sent measured / predicted, and whether the order of the schedules
+(fastest first) at that preset and sequence is the same for every pair that both sides
+order: a pair whose measured rounds overlap, or whose predictions from the calibration
+sets overlap, is a tie. Bad input: one line, exit status 2.
 """
 
 from __future__ import annotations
