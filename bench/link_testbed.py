@@ -257,7 +257,7 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=None,
                     help="iterations per run, the first not measured (default: a warm-up, then 16K tokens' worth: "
                          "16 at 1K, 1 from 16K on)")
-    ap.add_argument("--calibrate-repeats", type=int, default=3,
+    ap.add_argument("--calibrate-repeats", type=int, default=2,
                     help="repeats of the in-run calibration before each sequence's runs (0: none)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per preset")
     ap.add_argument("--flops", type=float, default=None, help="host FLOP/s (default: measured at start-up)")
