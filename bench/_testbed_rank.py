@@ -80,6 +80,7 @@ def calibrate(spec: dict) -> dict:
     shape = TestbedShape(spec["layers"], spec["hidden"], spec["heads"])
     t0 = time.time()
     cal = host_calibration.calibrate(shape.model(spec["seq"]), max(1, spec["layers"] // 2), repeats=spec["repeats"],
+                                     min_seconds=spec.get("min_seconds", 0.0),
                                      time_optimizer=False)
     return {"calibration": json.loads(cal.to_json()), "wall_s": time.time() - t0}
 

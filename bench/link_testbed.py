@@ -23,8 +23,8 @@ those of one 16K-token iteration (16 at 1K, 1 from 16K on; --iters fixes the cou
 short sequence's row is a median over as much work as a long one's rather than over one
 iteration of tens of milliseconds.
 Before each sequence's runs both ranks time the model's layers at that sequence on their
-own cores (tools/host_calibration.py, in the rank processes; --calibrate-repeats 0 skips
-it): the --save file keeps these in-run calibrations for
+own cores (tools/host_calibration.py, in the rank processes, repeated for at least
+--calibrate-seconds; --calibrate-repeats 0 skips it): the --save file keeps these in-run calibrations for
 tools/simulator_validation/testbed_compare.py, since this host's speed drifts by 10% and
 more between minutes.
 Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (median of
@@ -123,7 +123,8 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> tuple[list[dict
         names = [n for n in a.schedules if not ok[n]]
         if a.calibrate_repeats:
             jobs.append({"key": [seq, -1, "calibration"], "calibrate": {
-                "seq": seq, "layers": a.layers, "hidden": a.hidden, "heads": a.heads, "repeats": a.calibrate_repeats}})
+                "seq": seq, "layers": a.layers, "hidden": a.hidden, "heads": a.heads, "repeats": a.calibrate_repeats,
+                "min_seconds": a.calibrate_seconds}})
         for r in range(a.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 trace = os.path.join(work, f"{preset}-{seq}-{r}-{n}")
@@ -259,6 +260,9 @@ def parse_args(argv=None):
                          "16 at 1K, 1 from 16K on)")
     ap.add_argument("--calibrate-repeats", type=int, default=2,
                     help="repeats of the in-run calibration before each sequence's runs (0: none)")
+    ap.add_argument("--calibrate-seconds", type=float, default=2.0,
+                    help="more repeats of it while they took less than this (a short sequence's timings are "
+                         "milliseconds each)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per preset")
     ap.add_argument("--flops", type=float, default=None, help="host FLOP/s (default: measured at start-up)")
     return ap.parse_args(argv)
@@ -266,8 +270,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if a.calibrate_repeats < 0 or a.rounds < 1:
-        print("error: --rounds >= 1 and --calibrate-repeats >= 0", file=sys.stderr)
+    if a.calibrate_repeats < 0 or a.calibrate_seconds < 0 or a.rounds < 1:
+        print("error: --rounds >= 1, --calibrate-repeats >= 0 and --calibrate-seconds >= 0", file=sys.stderr)
         return 2
     reason = netns.available()
     if reason:

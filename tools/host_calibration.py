@@ -80,8 +80,10 @@ class single_process_megatron:
 
 
 def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, threads: int = 1,
-              time_optimizer: bool = True) -> HostCalibration:
-    """Time one microbatch of `shape` through a chunk of `layers_per_chunk` layers and the ends.
+              time_optimizer: bool = True, min_seconds: float = 0.0) -> HostCalibration:
+    """Time one microbatch of `shape` through a chunk of `layers_per_chunk` layers and the ends:
+    `repeats` rounds, more while the rounds took less than `min_seconds` (a short sequence's
+    timings are milliseconds each, and a few of them scatter by tens of percent).
 
     In a process whose group is already started (a link-testbed rank), every rank times on
     its own; time_optimizer=False there, since megatron-core DDP's step would all-reduce."""
@@ -130,7 +132,7 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
             probes["optimizer"], n_params = _optimizer_probe(cfg, model)
         _SHARE["wall"] = _SHARE["cpu"] = 0.0
         before = cpu_jiffies()
-        samples = _rounds(probes, repeats)
+        samples = _rounds(probes, repeats, min_seconds)
         share = _SHARE["cpu"] / _SHARE["wall"] if _SHARE["wall"] > 0 else 1.0
         others = others_cores(before, cpu_jiffies(), share, os.cpu_count() or 1)
     medians = {key: {clock: statistics.median(t[i] for t in v) for i, clock in enumerate(("cpu", "wall"))}
@@ -141,22 +143,26 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
               if medians[key]["cpu"] else 0.0 for key, v in samples.items()}
     cpu = {k: v["cpu"] for k, v in medians.items()}
     return HostCalibration(
-        shape=shape, repeats=repeats, spread=spread, cpu_share=min(1.0, share), others_cores=others,
+        shape=shape, repeats=len(next(iter(samples.values()))), spread=spread, cpu_share=min(1.0, share),
+        others_cores=others,
         host_cores=os.cpu_count() or 1, medians=medians,
         **calibration_fields(cpu, k, time_optimizer, float(n_params) if time_optimizer else 1.0),
     )
 
 
-def _rounds(probes: dict, repeats: int) -> dict[str, list[float]]:
-    """One warm-up, then `repeats` rounds of every probe in turn, so that a drift in the
-    machine's load (it is shared) hits every quantity alike."""
+def _rounds(probes: dict, repeats: int, min_seconds: float = 0.0, most: int = 50) -> dict[str, list[float]]:
+    """One warm-up, then rounds of every probe in turn, so that a drift in the machine's
+    load (it is shared) hits every quantity alike: `repeats` of them, and more (up to
+    `most`) while they have taken less than `min_seconds`."""
     for probe in probes.values():
         probe()
     out: dict[str, list] = {}
-    for _ in range(repeats):
+    start, done = time.perf_counter(), 0
+    while done < repeats or (done < most and time.perf_counter() - start < min_seconds):
         for name, probe in probes.items():
             for key, t in probe().items():
                 out.setdefault(f"{name}.{key}", []).append(t)
+        done += 1
     return out
 
 
