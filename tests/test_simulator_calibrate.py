@@ -66,3 +66,16 @@ def test_calibrations_average_field_by_field():
         mean_of([a, replace(b, shape=replace(shape, seq_length=128))])
     f = Fsdp2Overhead.mean_of([Fsdp2Overhead(1.0, 2.0, 3.0), Fsdp2Overhead(3.0, 4.0, 5.0)])
     assert f == Fsdp2Overhead(2.0, 3.0, 4.0)
+
+
+def test_calibration_rounds_go_on_while_under_min_seconds():
+    """A short sequence's timings are milliseconds each: the calibration keeps timing rounds
+    until they add up to min_seconds, up to a cap; without it, exactly `repeats`."""
+    import host_calibration
+
+    calls = []
+    probes = {"p": lambda: calls.append(1) or {"x": (1.0, 1.0)}}
+    assert len(host_calibration._rounds(probes, 3)["p.x"]) == 3
+    # instant rounds never reach a minute: the cap stops them
+    assert len(host_calibration._rounds(probes, 2, min_seconds=60.0, most=7)["p.x"]) == 7
+    assert len(calls) == 1 + 3 + 1 + 7  # one warm-up call per _rounds
