@@ -24,9 +24,9 @@ short sequence's row is a median over as much work as a long one's rather than o
 iteration of tens of milliseconds.
 Before each sequence's runs both ranks time the model's layers at that sequence on their
 own cores (tools/host_calibration.py, in the rank processes, repeated for at least
---calibrate-seconds; --calibrate-repeats 0 skips it): the --save file keeps these in-run calibrations for
-tools/simulator_validation/testbed_compare.py, since this host's speed drifts by 10% and
-more between minutes.
+--calibrate-seconds; --calibrate-repeats 0 skips it): the --save file keeps these in-run
+calibrations for tools/simulator_validation/testbed_compare.py, since this host's speed
+drifts by 10% and more between minutes.
 Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (median of
 the per-round ratios, [min, max]); bytes each rank sends per iteration (the trainer's byte
 counter, the `sent/rank/iter` numbers); per rank, the seconds per iteration not computing
