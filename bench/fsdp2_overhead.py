@@ -105,10 +105,11 @@ def measure(a) -> dict:
         out = {"fsdp": [], "ddp": []}
         for job in jobs:
             r, name = job["key"]
-            cost = measured.measure(measured.load(job["trace"])).mean_cost_s
+            traces = measured.load(job["trace"])
+            cost = measured.measure(traces).mean_cost_s
             its = [rk[(r, name)]["iterations"][1:] for rk in per_rank]  # the first is the warm-up
             iter_s = statistics.median(max(x["elapsed_ms"] for x in pair) / 1e3 for pair in zip(*its))
-            loop = measured.between_iterations_s(measured.load(job["trace"]))
+            loop = measured.between_iterations_s(traces)
             out[name].append({"forward": cost["forward"], "backward": cost["backward"], "iteration": iter_s,
                               "loop": statistics.mean(loop) if loop else float("nan")})
     return out
