@@ -117,17 +117,24 @@ def measure(a) -> dict:
 
 def overhead(runs: dict, layers: int, microbatches_per_rank: int) -> dict:
     """FSDP2's seconds per unit and pass (the medians over rounds of FSDP minus DDP), its
-    iteration's seconds besides its microbatches, and the training loop's own seconds per
-    iteration (the DDP runs: outside the schedule and the optimizer step)."""
+    iteration's seconds besides its microbatches, the same three of each round, and the
+    training loop's own seconds per iteration (the DDP runs: outside the schedule and the
+    optimizer step)."""
     n = units(layers)
     res = {}
     for kind in ("forward", "backward", "iteration"):
         f = statistics.median(x[kind] for x in runs["fsdp"])
         d = statistics.median(x[kind] for x in runs["ddp"])
         res[kind] = {"fsdp_s": f, "ddp_s": d, "per_unit_s": max(0.0, f - d) / n}
-    res["step_s"] = statistics.median(x["iteration"] - microbatches_per_rank * (x["forward"] + x["backward"])
-                                      for x in runs["fsdp"])
+
+    def step(x):
+        return x["iteration"] - microbatches_per_rank * (x["forward"] + x["backward"])
+
+    res["step_s"] = statistics.median(step(x) for x in runs["fsdp"])
     res["loop_s"] = statistics.median(x["loop"] for x in runs["ddp"])
+    # each round's FSDP run against the DDP run beside it: the probe's own spread
+    res["by_round"] = [[max(0.0, f[kind] - d[kind]) / n for kind in ("forward", "backward")] + [step(f)]
+                     for f, d in zip(runs["fsdp"], runs["ddp"])]
     return res
 
 
@@ -136,7 +143,8 @@ def fsdp2_overhead(a):
     from megatron_weipipe.simulator.calibration import Fsdp2Overhead
 
     res = overhead(measure(a), a.layers, a.microbatches // 2)
-    return Fsdp2Overhead(res["forward"]["per_unit_s"], res["backward"]["per_unit_s"], res["step_s"]), res
+    return Fsdp2Overhead(res["forward"]["per_unit_s"], res["backward"]["per_unit_s"], res["step_s"],
+                         tuple(map(tuple, res["by_round"]))), res
 
 
 def parse_args(argv=None):
@@ -180,7 +188,11 @@ def main(argv=None) -> int:
     r = res["iteration"]
     print(f"| iteration ({a.microbatches // 2} microbatches per rank) | {r['fsdp_s'] * 1e3:.2f} ms | "
           f"{r['ddp_s'] * 1e3:.2f} ms | {(r['fsdp_s'] - r['ddp_s']) * 1e3:.2f} ms | |")
-    print(f"\nFSDP2's step besides its microbatches (iteration - microbatches x (forward + backward)): "
+    per_round = list(zip(*res["by_round"]))
+    print(f"\nper unit, over the {a.rounds} rounds (each FSDP2 run against the DDP run beside it): forward "
+          f"{min(per_round[0]) * 1e3:.2f} to {max(per_round[0]) * 1e3:.2f} ms, backward {min(per_round[1]) * 1e3:.2f} "
+          f"to {max(per_round[1]) * 1e3:.2f} ms")
+    print(f"FSDP2's step besides its microbatches (iteration - microbatches x (forward + backward)): "
           f"{res['step_s'] * 1e3:.2f} ms")
     print(f"the training loop's own time per iteration (DDP: between iterations, besides the optimizer step): "
           f"{res['loop_s'] * 1e3:.2f} ms")

@@ -28,6 +28,8 @@ def test_fsdp2_adds_a_fixed_cost_per_unit():
         assert res[kind]["ddp_s"] > 0 and res[kind]["fsdp_s"] > res[kind]["ddp_s"], res
     assert over.unit_forward_s == pytest.approx((res["forward"]["fsdp_s"] - res["forward"]["ddp_s"]) / 4)
     assert over.unit_backward_s > 0 and over.step_s > 0
+    # one round: its costs are the medians themselves
+    assert over.rounds == ((over.unit_forward_s, over.unit_backward_s, over.step_s),)
     assert fsdp2_overhead.units(a.layers) == 4  # embedding, two layers, root
     # reading data, the flag all-reduce, logging: more than nothing, less than an iteration
     assert 0 < res["loop_s"] < res["iteration"]["ddp_s"], res

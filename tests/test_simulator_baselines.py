@@ -338,3 +338,38 @@ def test_testbed_compare_predicts_from_the_in_run_calibration(tmp_path, capsys):
     assert testbed_compare.main(["--testbed-json", str(saved), "--calibration-dir", str(cal_dir),
                                  "--message-delay-us", "0"]) == 2
     assert "in-run calibration is of another shape" in capsys.readouterr().err
+
+
+def test_testbed_compare_spans_the_fsdp2_probes_rounds(tmp_path, capsys):
+    """An FSDP row is predicted from the probe's medians, and its range from each round of
+    the probe on its own: the spread of FSDP2's fixed costs is part of the calibration's."""
+    from megatron_weipipe.simulator import calibration as calib
+    from megatron_weipipe.simulator.calibration import Fsdp2Overhead
+    from simulator_validation import testbed_compare
+
+    seq, shape = 1024, _shape()
+    name = f"L{shape.layers}-h{shape.hidden}-a{shape.heads}"
+    cal_dir = tmp_path / "cal"
+    cal_dir.mkdir()
+    calib.save(_calibration(seq), str(cal_dir / f"testbed-{name}-s{seq}.json"))
+    (cal_dir / f"loop-{name}.json").write_text('{"seconds": 0.0}')
+    rows = [{"preset": "ib-edr", "seq": seq, "schedule": "fsdp", "tokens_per_s": 1000.0,
+             "tokens_per_s_rounds": [1000.0], "bytes_sent": 1, "layers": shape.layers, "hidden": shape.hidden,
+             "heads": shape.heads}]
+    saved = tmp_path / "sweep.json"
+    saved.write_text(json.dumps({"rows": rows, "flops": 1e15, "notes": []}))
+
+    def predicted(over: Fsdp2Overhead) -> tuple[float, float, float]:
+        (cal_dir / f"fsdp2-{name}.json").write_text(over.to_json())
+        assert testbed_compare.main(["--testbed-json", str(saved), "--calibration-dir", str(cal_dir),
+                                     "--message-delay-us", "0"]) == 0
+        cell = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| ib-edr")).split("|")[5]
+        lo, hi = (float(x) for x in cell.split("[")[1].split("]")[0].split(","))
+        return float(cell.split("[")[0]), lo, hi
+
+    fast, slow = (1e-3, 2e-3, 0.05), (3e-3, 6e-3, 0.07)
+    median = Fsdp2Overhead(2e-3, 4e-3, 0.06, rounds=(fast, slow))
+    point, lo, hi = predicted(median)
+    assert predicted(Fsdp2Overhead(2e-3, 4e-3, 0.06)) == (point, point, point)  # no rounds recorded: one set
+    assert predicted(Fsdp2Overhead(*slow))[0] == lo and predicted(Fsdp2Overhead(*fast))[0] == hi
+    assert lo < point < hi

@@ -66,6 +66,13 @@ def test_calibrations_average_field_by_field():
         mean_of([a, replace(b, shape=replace(shape, seq_length=128))])
     f = Fsdp2Overhead.mean_of([Fsdp2Overhead(1.0, 2.0, 3.0), Fsdp2Overhead(3.0, 4.0, 5.0)])
     assert f == Fsdp2Overhead(2.0, 3.0, 4.0)
+    # a probe's rounds travel with it, through JSON and into the mean; without them, one set
+    probe = Fsdp2Overhead(1.0, 2.0, 3.0, rounds=((0.5, 1.5, 3.0), (1.5, 2.5, 3.0)))
+    assert Fsdp2Overhead.from_json(probe.to_json()) == probe
+    assert probe.each_round() == [Fsdp2Overhead(0.5, 1.5, 3.0), Fsdp2Overhead(1.5, 2.5, 3.0)]
+    assert f.each_round() == [f] and Fsdp2Overhead.from_json('{"unit_forward_s": 1, "unit_backward_s": 2, '
+                                                             '"step_s": 3}') == Fsdp2Overhead(1, 2, 3)
+    assert Fsdp2Overhead.mean_of([probe, f]).rounds == probe.rounds
 
 
 def test_calibration_rounds_go_on_while_under_min_seconds():

@@ -70,25 +70,34 @@ class Fsdp2Overhead:
     """FSDP2's fixed costs on this host (bench/fsdp2_overhead.py: the trainer with and without
     ``--use-torch-fsdp2``, same model and data): seconds per unit and microbatch added to its
     forward and to its backward, and the iteration's seconds besides its microbatches (the
-    optimizer over the sharded DTensors, the gradient norm)."""
+    optimizer over the sharded DTensors, the gradient norm). ``rounds``: the same three of
+    each round of the probe (the fields are their medians). A difference of two runs' Python-
+    bound costs, they spread by about 10% within a probe and drift as much over hours, so
+    a prediction takes each round as a calibration set of its own (`each_round`)."""
 
     unit_forward_s: float
     unit_backward_s: float
     step_s: float
+    rounds: tuple[tuple[float, float, float], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Fsdp2Overhead":  # noqa: D102
-        return cls(**json.loads(text))
+        d = json.loads(text)
+        return cls(**dict(d, rounds=tuple(tuple(r) for r in d.get("rounds", ()))))
+
+    def each_round(self) -> list["Fsdp2Overhead"]:
+        """Each round's costs (this one where no round was recorded)."""
+        return [Fsdp2Overhead(*r) for r in self.rounds] or [self]
 
     @classmethod
     def mean_of(cls, runs: list["Fsdp2Overhead"]) -> "Fsdp2Overhead":
-        """Several measurements as one (their mean)."""
+        """Several measurements as one (their mean; the rounds of all)."""
         n = len(runs)
         return cls(sum(r.unit_forward_s for r in runs) / n, sum(r.unit_backward_s for r in runs) / n,
-                   sum(r.step_s for r in runs) / n)
+                   sum(r.step_s for r in runs) / n, tuple(x for r in runs for x in r.rounds))
 
 
 def mean_of(cals: list[HostCalibration]) -> HostCalibration:

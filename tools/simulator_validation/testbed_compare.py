@@ -247,7 +247,9 @@ def main(argv=None) -> int:
                                            burst_bytes=burst, fsdp2=fsdp2, message_s=wait, loop_s=loop)
 
             fsdp2 = Fsdp2Overhead.mean_of(fsdp2s) if r["schedule"] == "fsdp" else None
-            sets = list(zip(cals, fsdp2s, waits, loops))  # one calibration set per directory
+            # one calibration set per directory, and per round of its FSDP2 probe (the probe's spread)
+            sets = [(cal, each, wait, loop) for cal, f2, wait, loop in zip(cals, fsdp2s, waits, loops)
+                    for each in (f2.each_round() if f2 else [None])]
             ranks = in_run.get((r["preset"], r["seq"]))
             if ranks:  # the layers timed in the minute before this sequence's runs; the step from the directories
                 if ranks[0].shape != row_shape.model(r["seq"]):

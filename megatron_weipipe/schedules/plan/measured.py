@@ -156,19 +156,25 @@ def measure(traces: list[RankTrace], skip_first: bool = True) -> Measured:
 def between_iterations_s(traces: list[RankTrace]) -> list[float]:
     """Seconds the training loop spends per iteration outside the schedule and the optimizer
     step (reading the next microbatches, zeroing gradients, the per-iteration flag
-    all-reduce, logging): from one iteration's window end to the next one's start, less the
-    longest `optimizer` event between them. One value per consecutive pair after the first
-    iteration (warm-up). Meaningful where the ranks end their iterations together (PP = 1,
-    DP > 1); in a pipeline the first rank to finish also waits here for the last."""
-    win = windows(traces)
-    opt: dict[int, float] = {}
+    all-reduce, logging): on each rank, from one iteration's end to the next one's start,
+    less its `optimizer` event between them; the least over ranks, as the rank that ended
+    last waits for no other (the others' gaps also hold their wait for it, and their steps
+    may overlap its end). One value per consecutive pair after the first iteration
+    (warm-up). Meaningful where the ranks end their iterations together (PP = 1, DP > 1)."""
+    per_rank = []
     for t in traces:
+        win: dict[int, tuple[float, float]] = {}
+        opt: dict[int, float] = {}
         for e in t.events:
-            if e.get("cat") == "optimizer":
+            if e.get("cat") == "iteration":
+                win[e["args"]["iteration"]] = (e["ts"], e["ts"] + e["dur"])
+            elif e.get("cat") == "optimizer":
                 it = e["args"]["iteration"]
                 opt[it] = max(opt.get(it, 0.0), e["dur"])
-    its = sorted(win)[1:]
-    return [(win[b][0] - win[a][1] - opt.get(a, 0.0)) / 1e6 for a, b in zip(its, its[1:]) if b == a + 1]
+        its = sorted(win)[1:]
+        per_rank.append({a: (win[b][0] - win[a][1] - opt.get(a, 0.0)) / 1e6 for a, b in zip(its, its[1:]) if b == a + 1})
+    pairs = sorted(set.intersection(*(set(g) for g in per_rank))) if per_rank else []
+    return [min(g[a] for g in per_rank) for a in pairs]
 
 
 def last_window_rows(traces: list[RankTrace], width: int) -> tuple[list[str], float]:
