@@ -12,8 +12,9 @@ compute the same FLOPs in both; what FSDP2 adds to a microbatch's forward and ba
 the DTensor bookkeeping, the copies in and out of the gathered buffers, and each
 collective's own cost over gloo (its bytes take microseconds on loopback at this size).
 Divided by the units (embedding, each layer, the root), it is the per-unit cost that
-tools/simulator_validation/testbed_compare.py adds to its FSDP rows; the link's time for
-the collectives' bytes is the simulator's own. The DDP runs also give the training loop's
+tools/simulator_validation/testbed_compare.py adds to its FSDP rows (each round's too:
+the spread of its predictions); the link's time for the collectives' bytes is the
+simulator's own. The DDP runs also give the training loop's
 own time per iteration, which every schedule pays: from one iteration's end to the next
 one's start, less the optimizer step (reading the microbatches, zeroing the gradients,
 the per-iteration flag all-reduce, logging). testbed_compare.py adds it to the
