@@ -72,7 +72,7 @@ class Fsdp2Overhead:
     forward and to its backward, and the iteration's seconds besides its microbatches (the
     optimizer over the sharded DTensors, the gradient norm). ``rounds``: the same three of
     each round of the probe (the fields are their medians). A difference of two runs' Python-
-    bound costs, they spread by 10-15% within a probe and drift as much over hours, so a
+    bound costs, they spread by up to 20% within a probe and drift as much over hours, so a
     prediction takes each round as a calibration set of its own (`each_round`)."""
 
     unit_forward_s: float

@@ -172,7 +172,8 @@ def between_iterations_s(traces: list[RankTrace]) -> list[float]:
                 it = e["args"]["iteration"]
                 opt[it] = max(opt.get(it, 0.0), e["dur"])
         its = sorted(win)[1:]
-        per_rank.append({a: (win[b][0] - win[a][1] - opt.get(a, 0.0)) / 1e6 for a, b in zip(its, its[1:]) if b == a + 1})
+        per_rank.append({a: (win[b][0] - win[a][1] - opt.get(a, 0.0)) / 1e6
+                         for a, b in zip(its, its[1:]) if b == a + 1})
     pairs = sorted(set.intersection(*(set(g) for g in per_rank))) if per_rank else []
     return [min(g[a] for g in per_rank) for a in pairs]
 
