@@ -163,12 +163,10 @@ def between_iterations_s(traces: list[RankTrace]) -> list[float]:
     (warm-up). Meaningful where the ranks end their iterations together (PP = 1, DP > 1)."""
     per_rank = []
     for t in traces:
-        win: dict[int, tuple[float, float]] = {}
+        win = windows([t])
         opt: dict[int, float] = {}
         for e in t.events:
-            if e.get("cat") == "iteration":
-                win[e["args"]["iteration"]] = (e["ts"], e["ts"] + e["dur"])
-            elif e.get("cat") == "optimizer":
+            if e.get("cat") == "optimizer":
                 it = e["args"]["iteration"]
                 opt[it] = max(opt.get(it, 0.0), e["dur"])
         its = sorted(win)[1:]
