@@ -19,7 +19,9 @@ first, optimizer step excluded; plan/measured.py), the mean measured cost of eac
 compute kind, the planned bubble at those costs (the simulator on the schedule's plan)
 and at unit costs, and the last iteration's measured timeline beside the planned one.
 `--json` prints the same as one JSON object (`measured_bubble`, `ranks[].busy_s`,
-`ranks[].idle_s`, `planned_bubble`, ...).
+`ranks[].idle_s`, `planned_bubble`, `clock`, ...). The traces' clock is printed ("host"
+or "cuda_event"); a directory mixing clocks is refused, and host time from a CUDA run
+(launch times, free receives) is warned about on stderr.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def from_trace(directory: str, as_json: bool, width: int) -> int:
     except measured_mod.TraceError as e:
         print(f"schedule_timeline: {e}", file=sys.stderr)
         return 2
+    if m.clock_warning:
+        print(f"schedule_timeline: warning: {m.clock_warning}", file=sys.stderr)
     sched, at_costs, unit = planned_from_trace(m)
     out = m.to_dict()
     out["planned_bubble"] = at_costs.bubble_fraction if at_costs else None
@@ -141,7 +145,7 @@ def from_trace(directory: str, as_json: bool, width: int) -> int:
         print(json.dumps(out, indent=1))
         return 0
     print(f"schedule {m.schedule}: {len(traces)} rank traces, iterations {m.iterations} measured "
-          f"(the first is left out), mean iteration {out['mean_iteration_s']:.4f} s")
+          f"(the first is left out), mean iteration {out['mean_iteration_s']:.4f} s, timed by {m.clock}")
     print("| rank | busy s | idle s | idle % | of which: recv wait s | send post s | bookkeeping s |")
     print("|---|---|---|---|---|---|---|")
     for r in m.ranks:

@@ -4,7 +4,11 @@ Pure Python, like the rest of plan/. The measured bubble is idle / (busy + idle)
 over all ranks, over every traced iteration except the first (warm-up: allocation,
 first-touch), excluding the optimizer step. An iteration's window is the same for all
 ranks: from the earliest start to the latest end of that iteration's `iteration` event
-on any rank (timestamps are wall-clock, so this holds for ranks of one host). A rank is
+on any rank (timestamps are wall-clock, so this holds for ranks of one host). The
+metadata's `clock` says what timed the spans: "host" (time.time_ns; compute time on a
+CPU host, kernel launches on a GPU) or "cuda_event" (the device's stream); files without
+one are host-timed. One directory must not mix clocks, and host time from a CUDA run is
+flagged (`Measured.clock_warning`). A rank is
 busy while a `compute` event runs (forward, loss, backward, backward-input,
 backward-weight; Megatron's forward_step / backward_step) and idle for the rest of the
 window: waiting for a message, posting one, buffer bookkeeping, gradient reductions.
@@ -17,6 +21,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from statistics import mean
+from typing import Optional
+
+HOST, CUDA_EVENT = "host", "cuda_event"  # the trace metadata's `clock` values (runtime/trace_clock.py)
 
 # The action kinds of plan/actions.py whose cost the simulator models.
 COST_KINDS = ("forward", "backward", "backward_input", "backward_weight", "loss")
@@ -28,6 +35,10 @@ class RankTrace:
     schedule: str
     meta: dict
     events: list[dict]  # complete events ("ph": "X"), ts/dur in microseconds
+
+    @property
+    def clock(self) -> str:
+        return str(self.meta.get("clock", HOST))  # files written before the clock was recorded: host time
 
 
 @dataclass
@@ -51,6 +62,16 @@ class Measured:
     ranks: list[RankMeasure]
     mean_cost_s: dict[str, float] = field(default_factory=dict)  # per compute kind, mean duration
     iteration_s: list[float] = field(default_factory=list)  # window length per measured iteration
+    clock: str = HOST  # what timed the spans (all ranks share it)
+
+    @property
+    def clock_warning(self) -> Optional[str]:
+        """Set where a CUDA run was timed with host time: its compute costs are launch times
+        and its receive waits look free, so neither calibrates a GPU."""
+        if self.clock == HOST and self.meta.get("device_type") == "cuda":
+            return ("traced with host time on a CUDA run: compute is kernel-launch time and receives "
+                    "look free; not a calibration of the GPU")
+        return None
 
     @property
     def busy_s(self) -> float:
@@ -73,6 +94,8 @@ class Measured:
             "measured_bubble": self.measured_bubble,
             "mean_iteration_s": mean(self.iteration_s) if self.iteration_s else None,
             "mean_cost_s": self.mean_cost_s,
+            "clock": self.clock,
+            "clock_warning": self.clock_warning,
             "ranks": [{"rank": r.rank, "busy_s": r.busy_s, "idle_s": r.idle_s, "wait_s": r.wait_s,
                        "send_s": r.send_s, "other_s": r.other_s} for r in self.ranks],
         }
@@ -103,6 +126,9 @@ def load(directory: str) -> list[RankTrace]:
     names = {t.schedule for t in out}
     if len(names) != 1:
         raise TraceError(f"{directory} mixes traces of schedules {sorted(names)}")
+    clocks = {t.clock for t in out}
+    if len(clocks) != 1:
+        raise TraceError(f"{directory} mixes traces timed by clocks {sorted(clocks)}")
     return sorted(out, key=lambda t: t.rank)
 
 
@@ -150,7 +176,16 @@ def measure(traces: list[RankTrace], skip_first: bool = True) -> Measured:
         ranks.append(m)
     return Measured(traces[0].schedule, traces[0].meta, its, ranks,
                     {k: mean(v) / 1e6 for k, v in sorted(costs.items())},
-                    [(win[it][1] - win[it][0]) / 1e6 for it in its])
+                    [(win[it][1] - win[it][0]) / 1e6 for it in its], traces[0].clock)
+
+
+def same_clock(measures: list[Measured]) -> str:
+    """The clock of measurements meant to be compared or averaged (a calibration's runs);
+    TraceError where they mix host time and CUDA events."""
+    clocks = {m.clock for m in measures}
+    if len(clocks) != 1:
+        raise TraceError(f"measurements timed by different clocks {sorted(clocks)} cannot be combined")
+    return clocks.pop()
 
 
 def between_iterations_s(traces: list[RankTrace]) -> list[float]:

@@ -48,12 +48,16 @@ class TrainSchedule(ABC):
             import torch.distributed as dist
 
             from megatron_weipipe.schedules.runtime.trace import ActionTracer
+            from megatron_weipipe.schedules.runtime.trace_clock import clock_for
 
             g = ctx.groups
             meta = {"pipeline_size": g.pp_size, "pipeline_rank": g.pp_rank, "data_parallel_rank": g.dp_rank,
                     "num_microbatches": cfg.num_microbatches,
-                    "virtual_stages": cfg.parallel.virtual_pipeline_size(cfg.model.num_layers)}
-            self.tracer = ActionTracer(trace_dir, dist.get_rank() if dist.is_initialized() else 0, self.name, meta)
+                    "virtual_stages": cfg.parallel.virtual_pipeline_size(cfg.model.num_layers),
+                    "device_type": ctx.platform.device_type}
+            # CUDA events on a GPU (host time measures launches there), host time on a CPU host
+            self.tracer = ActionTracer(trace_dir, dist.get_rank() if dist.is_initialized() else 0, self.name, meta,
+                                       clock=clock_for(ctx.platform))
 
     def trace_iteration(self):
         """Around one training iteration's forward and backward (not the optimizer step)."""
