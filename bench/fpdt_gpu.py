@@ -1,15 +1,18 @@
-"""FPDT on one CUDA device: kernel check, overhead over plain attention, attention TFLOP/s,
-and the longest sequence a Llama-3-8B-shaped layer fits with and without offload.
+"""FPDT on one CUDA device: kernel checks and speeds, overhead over plain attention,
+attention TFLOP/s, and the longest sequence a Llama-3-8B-shaped layer fits with and
+without offload.
 
 One prepared script for a lent GPU (see MEASURING.md): warm-up, CUDA events, medians of
 alternating rounds, random inputs, tables printed at the end and written to $OUT (if set)
 as fpdt_gpu.md and fpdt_gpu.json. Single device, so P = 1: "plain" is ulysses_attention
-without a group (whole sequence, torch's flash kernel), FPDT is the chunked pipeline.
+without a group (whole sequence, the kernel ``auto`` picks), FPDT is the chunked pipeline.
+The kernel section self-checks every CUDA block kernel (``kernels.cuda_kernels``) for
+the run's dtype and fp32 against the math kernel, and times one block of each.
 
   python bench/fpdt_gpu.py                      # H100/H200-sized defaults, a few minutes
   python bench/fpdt_gpu.py --device cpu --tiny  # the same code on CPU with tiny shapes
 
-Sections can be skipped (--skip check overhead longest) to fit a time budget; the
+Sections can be skipped (--skip check kernels overhead longest) to fit a time budget; the
 longest-sequence search is bounded by --budget-gib, --max-seq and --bisect-steps.
 """
 
@@ -37,7 +40,7 @@ from fpdt_util import (  # noqa: E402
     peak_rss_bytes,
     rss_bytes,
 )
-from megatron_weipipe.fpdt.kernels import select_kernel, self_check  # noqa: E402
+from megatron_weipipe.fpdt.kernels import cuda_kernels, select_kernel, self_check  # noqa: E402
 
 GiB = 2**30
 
@@ -78,10 +81,56 @@ class Memory:
         return torch.cuda.max_memory_allocated() if self.cuda else peak_rss_bytes()
 
 
+def _cuda_candidates(device, head_dim, dtype):
+    """(name, dtype) of every CUDA block kernel for the run's dtype and for fp32."""
+    cap = torch.cuda.get_device_capability(device)
+    return [(n, dt) for dt in dict.fromkeys((dtype, torch.float32)) for n in cuda_kernels(dt, head_dim, cap)]
+
+
 def kernel_check(device, dtype, head_dim):
+    """auto's pick against the math kernel; on CUDA every candidate kernel too, each
+    for the run's dtype and fp32 (an error string where a kernel cannot run)."""
     kern = select_kernel("auto", device, dtype, head_dim)
     err = self_check(kern, device, dtype, s=256, d=head_dim)
-    return {"kernel": kern.name, "max_abs_err_vs_math": err}
+    each = {}
+    for name, dt in _cuda_candidates(device, head_dim, dtype) if device.type == "cuda" else []:
+        try:
+            each[f"{name} {dt}"] = self_check(select_kernel(name, device, dt, head_dim), device, dt, s=256, d=head_dim)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal: auto passes over such kernels
+            each[f"{name} {dt}"] = f"{type(e).__name__}: {e}"[:200]
+    return {"kernel": kern.name, "max_abs_err_vs_math": err, "each": each}
+
+
+def kernel_speed(device, dtype, shape: LayerShape, seq, rounds):
+    """One FPDT block per CUDA kernel, the shape of one chunk pair of the layer at chunk
+    ``seq`` (P = 1): forward + backward of a full and of a causal block, median ms, and
+    model TFLOP/s (forward 4*b*h*sq*sk*d, halved when causal; backward 2x forward)."""
+    clock = Clock(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    b, h, hkv, d = shape.batch, shape.heads, shape.groups, shape.head_dim
+    q, do, k, v = rnd(b, h, seq, d), rnd(b, h, seq, d), rnd(b, hkv, seq, d), rnd(b, hkv, seq, d)
+    rows = []
+    for name, dt in _cuda_candidates(device, d, dtype):
+        if dt != dtype:
+            continue
+        kern = select_kernel(name, device, dtype, d)
+        for causal in (False, True):
+            def step():
+                o, lse = kern.forward(q, k, v, causal, d**-0.5)
+                kern.backward(do, q, k, v, o, lse, causal, d**-0.5)
+
+            try:
+                step()
+                ts = sorted(clock.time(step) for _ in range(rounds))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(kernel=name, causal=causal, error=f"{type(e).__name__}: {e}"[:200]))
+                continue
+            t = ts[len(ts) // 2]
+            flops = 3 * 4.0 * b * h * seq * seq * d * (0.5 if causal else 1.0)
+            gqa = "native" if hkv == h or kern.native_gqa_for(q) else "folded, causal expanded"
+            rows.append(dict(kernel=name, causal=causal, ms=t * 1e3, tflops=flops / t / 1e12, gqa=gqa))
+    return rows
 
 
 def overhead(device, dtype, shape: LayerShape, seq, chunks, rounds, offload):
@@ -152,14 +201,15 @@ def main(argv=None):
     ap.add_argument("--start-seq", type=int, default=32768)
     ap.add_argument("--max-seq", type=int, default=524288)
     ap.add_argument("--bisect-steps", type=int, default=2)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["check", "overhead", "longest"])
+    ap.add_argument("--block", type=int, default=8192, help="block (chunk) length for the per-kernel timing")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["check", "kernels", "overhead", "longest"])
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = LLAMA3_8B
     if args.tiny:
         shape = LayerShape(hidden=128, heads=4, groups=2, head_dim=32, ffn=256)
-        args.seq, args.chunk, args.start_seq, args.max_seq = 1024, 256, 256, 2048
+        args.seq, args.chunk, args.start_seq, args.max_seq, args.block = 1024, 256, 256, 2048, 256
         args.budget_gib = min(args.budget_gib, 0.05)  # CPU: peak RSS is per process, so only a smoke run
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -172,7 +222,21 @@ def main(argv=None):
 
     if "check" not in args.skip:
         results["check"] = kernel_check(device, dtype, shape.head_dim)
-        lines.append(f"\nkernel {results['check']['kernel']}: max |err| vs math kernel {results['check']['max_abs_err_vs_math']:.3g}")
+        lines.append("")
+        for key, err in results["check"]["each"].items():
+            lines.append(f"  {key}: max |err| vs math kernel {err:.3g}" if isinstance(err, float) else f"  {key}: {err}")
+        lines.append(f"kernel {results['check']['kernel']}: max |err| vs math kernel {results['check']['max_abs_err_vs_math']:.3g}")
+
+    if "kernels" not in args.skip and device.type == "cuda":
+        rows = kernel_speed(device, dtype, shape, args.block, args.rounds)
+        results["kernels"] = rows
+        lines += [f"\none block fwd+bwd per kernel, sq = sk = {args.block}, heads {shape.heads}/{shape.groups}, "
+                  f"d {shape.head_dim}, {dtype} (median of {args.rounds})",
+                  "| kernel | causal | ms | TFLOP/s | grouped heads |", "|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['kernel']} | {r['causal']} | " + (
+                f"{r['ms']:.2f} | {r['tflops']:.3g} | {r['gqa']} |" if "ms" in r else f"{r['error']} | | |"))
+        print("\n".join(lines[-len(rows) - 3 :]), flush=True)
 
     if "overhead" not in args.skip:
         rows = overhead(device, dtype, shape, args.seq, args.chunks, args.rounds, offload=True)

@@ -59,7 +59,7 @@ def _instrumented(rank, world_size, configs, replay):
             plain = train_and_collect(rank, world_size, tiny_gpt_args(**LLAMA, **flags))
             pools.clear()
             offloaded = train_and_collect(rank, world_size, tiny_gpt_args(**LLAMA, **flags, fpdt_offload=True))
-            offloaded["pools"] = [(p.allocations, p.allocated_bytes) for p in pools]
+            offloaded["pools"] = [(p.allocations, p.buffer_bytes) for p in pools]
             out.append((plain, offloaded))
         if replay:
             out.append(_one_layer(calls[0], offload.HostBufferPool))
@@ -80,9 +80,9 @@ def _one_layer(call, pool_class):
     wq, wp = torch.randn(wq_shape, requires_grad=True), torch.randn(wp_shape, requires_grad=True)
     pool = pool_class(pin_memory=False)
     out = fpdt_attention(h, wq, None, wp, None, spec, config, *args, pool=pool, num_chunks=u)
-    forward = (pool.allocations, pool.allocated_bytes)
+    forward = (pool.allocations, pool.buffer_bytes)
     out.sum().backward()
-    return forward, (pool.allocations, pool.allocated_bytes)
+    return forward, (pool.allocations, pool.buffer_bytes)
 
 
 def _same_shards(a, b, what):

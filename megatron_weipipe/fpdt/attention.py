@@ -344,7 +344,9 @@ def fpdt_attention(
         num_chunks = config.validate(hidden_states.shape[0] * P, P)
     u = num_chunks
     _check_shapes(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, spec)
-    kernel = select_kernel(config.kernel, hidden_states.device, hidden_states.dtype, spec.head_dim)
+    C = hidden_states.shape[0] * P // u  # one block is [b, heads / P, C, C]
+    block = (hidden_states.shape[1], spec.num_heads // P, C, C)
+    kernel = select_kernel(config.kernel, hidden_states.device, hidden_states.dtype, spec.head_dim, block)
     if config.offload and pool is None:
         pool = HostBufferPool(pin_memory=hidden_states.is_cuda)
     tensors = (hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias)
@@ -397,14 +399,15 @@ def ulysses_attention(
     _check_shapes(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, spec)
     s_l, b, _ = hidden_states.shape
     S = s_l * P
-    kern = select_kernel(kernel, hidden_states.device, hidden_states.dtype, spec.head_dim)
+    docs = as_documents(documents)
+    T = S if docs is None else min(doc_tile, S)  # one block is [b, heads / P, T, T]
+    kern = select_kernel(kernel, hidden_states.device, hidden_states.dtype, spec.head_dim, (b, spec.num_heads // P, T, T))
     x = copy_to_tp(hidden_states, tp_group)
     mixed = F.linear(x, qkv_weight, qkv_bias).view(s_l, b, spec.groups, -1)
     q, k, v = _split_heads(all_to_all_seq_to_heads(mixed, cp_group, counter), spec)
     table = _table(spec, 0, S, q.dtype, q.device)
     if table is not None:
         q, k = rotary(q, table), rotary(k, table)
-    docs = as_documents(documents)
     _check_documents(docs, S, b)
     if docs is None:
         o = _BlockAttention.apply(q, k, v, kern, spec.scale)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from megatron_weipipe.errors import require
 from megatron_weipipe.flags import option
 
-KERNELS = ("auto", "math", "cpu_flash", "cuda_flash")
+KERNELS = ("auto", "math", "cpu_flash", "cudnn", "cuda_flash", "cuda_efficient")  # fpdt.kernels
 CAUSAL_NAMES = ("causal", "AttnMaskType.causal")
 
 
@@ -114,7 +114,9 @@ class FPDTConfig:
         Ulysses with no extra work.
     offload: keep per-chunk q/k/v/o/lse/layer-input in host memory (pinned on CUDA),
         double-buffered back to the device.
-    kernel: block attention kernel, see fpdt.kernels ("auto" picks by device and dtype).
+    kernel: block attention kernel, see fpdt.kernels ("auto" picks by device, dtype and
+        head_dim; on CUDA the first of cudnn / cuda_flash / cuda_efficient that passes a
+        self-check at first use).
     overlap_comm: launch the next chunk's all-to-all before computing on the current one.
     mlp_chunks / loss_chunks: number of sequence chunks for the MLP and the output
         layer + cross-entropy (None: same count as attention).

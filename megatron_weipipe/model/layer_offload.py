@@ -6,10 +6,12 @@ With ``--recompute-granularity full`` each recomputed unit (one layer, or
 input is copied to a host buffer after the unit's forward and brought back just before
 the unit's recompute; the input whose recompute comes next is prefetched while the
 current unit runs its backward. The copies are FPDT's (``fpdt/offload.py``): one
-``ChunkStore`` over a ``HostBufferPool`` (pinned on CUDA; buffers allocated on first use
-and reused by every later unit, microbatch and iteration), the copies on the pool's side
-stream on CUDA, plain copies into separate host buffers on CPU. At most two inputs are
-on the device through the store at once: the one being recomputed and the prefetched one.
+``ChunkStore`` over a ``HostBufferPool`` of its own (pinned on CUDA, carved out of
+power-of-two slabs and counted as the slabs, ``residency.slab_layout``; buffers made on
+first use and reused by every later unit, microbatch and iteration), the copies through
+the pool's copy service (``fpdt/copy_streams.py``: device->host and host->device on two
+side streams on CUDA, plain copies into separate host buffers on CPU). At most two inputs
+are on the device through the store at once: the one being recomputed and the prefetched one.
 
 Two users: megatron-core's ``TransformerBlock`` (no pipelining, 1F1B, interleaved 1F1B),
 where the input megatron-core's ``CheckpointFunction`` saves is caught by saved-tensor

@@ -17,6 +17,7 @@ after the all-to-all) and u = S/C chunks (shared/design/FPDT.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_weipipe.fpdt.config import FPDTConfig
 
@@ -46,11 +47,15 @@ class FPDTReport:
     block_compute_s: float  # one C x C attention block, forward
     block_fetch_s: float  # k, v of one chunk from host memory
     backward_block_compute_s: float
-    backward_block_fetch_s: float  # q, o, lse, do, dq of one chunk, both ways
+    backward_block_fetch_s: float  # q, o, lse, do, dq of one chunk in, dq out (at once: two streams)
     exposed_s_per_layer: float  # fetch time not hidden behind compute, forward + backward
-    pool_bytes_per_layer: float = 0.0  # host buffers one layer's forward/backward pair takes
+    pool_bytes_per_layer: float = 0.0  # bytes of the host buffers one layer's forward/backward pair takes
     pool_backward_bytes: float = 0.0  # ... of which the backward's own (do, dq): one set, reused
     resident_chunk_bytes: float = 0.0  # chunks prefetched back to the device at once (offload)
+    # the same buffers by size, {bytes: how many}: what memory.shared_pool_bytes lays out
+    # in the pool's power-of-two slabs (residency.pool_bytes) to count what the host pins
+    pool_forward_buffers: Optional[dict] = None
+    pool_backward_buffers: Optional[dict] = None
 
     @property
     def prefetch_hidden(self) -> bool:
@@ -85,13 +90,18 @@ def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp:
     block_compute = block_flops / rate
     block_fetch = 2 * C * b * g * d * e / bw if spec.offload else 0.0
     bwd_compute = 2.5 * block_compute
-    bwd_fetch = (C * b * a * d * e * 3 + C * b * a * 4 + C * b * a * d * 4 * 2) / bw if spec.offload else 0.0
+    # q, o, do, lse and the fp32 dq come in while the updated dq goes out: two copy streams
+    # (fpdt/copy_streams.py), so the link carries both directions at once (bw is per direction)
+    bwd_in, bwd_out = C * b * a * d * e * 3 + C * b * a * 4 + C * b * a * d * 4, C * b * a * d * 4
+    bwd_fetch = max(bwd_in, bwd_out) / bw if spec.offload else 0.0
     blocks = u * (u + 1) / 2
     exposed = blocks * (max(0.0, block_fetch - block_compute) + max(0.0, bwd_fetch - bwd_compute))
+    fwd_bufs, bwd_bufs = pool_buffers(shape, spec, cp=cp, tp=tp, dtype_bytes=dtype_bytes) if spec.offload else ({}, {})
     pool, backward, resident = (offload_bytes(shape, spec, cp=cp, tp=tp, dtype_bytes=dtype_bytes)
                                 if spec.offload else (0.0, 0.0, 0.0))
     return FPDTReport(
         pool_bytes_per_layer=pool, pool_backward_bytes=backward, resident_chunk_bytes=resident,
+        pool_forward_buffers=fwd_bufs, pool_backward_buffers=bwd_bufs,
         chunks=u, device_chunk_bytes=device_chunk, device_hidden_bytes=device_hidden,
         checkpoint_bytes=checkpoints, host_bytes_per_rank=host, block_compute_s=block_compute,
         block_fetch_s=block_fetch, backward_block_compute_s=bwd_compute, backward_block_fetch_s=bwd_fetch,
@@ -102,28 +112,57 @@ def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp:
 def offload_bytes(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
                   dtype_bytes: int = 2) -> tuple[float, float, float]:
     """What fpdt/attention.py takes from the model's shared HostBufferPool over one layer's
-    forward/backward pair (memory.shared_pool_bytes: how many pairs are live at once), and the most chunk state its ChunkStore
-    holds on the device at once. Per chunk (C tokens after the all-to-all, L = C/P before):
-    the input x and the output o in sequence layout (L x h and L x a d), k and v, q, o, do
-    in head layout, the fp32 log-sum-exp; dq of the later query chunks, first in the
-    kernel's dtype (u - 1 buffers) and from the second KV chunk on as the fp32 sum (u - 2).
-    On the device in the backward: x of two chunks (the previous one's weight gradient
-    runs after this chunk's inner loop), k and v of one chunk, and q, o, lse, do, dq of
-    two query chunks (double buffering). Returns (pair, its backward-only part, device).
-    Backwards run one at a time, so with several layers or microbatches in flight the
-    pool holds each one's forward buffers and one set of backward buffers (a backward
-    takes the buffers a finished one returned)."""
+    forward/backward pair, in buffer bytes (``pool_buffers`` has them by size;
+    memory.shared_pool_bytes: how many pairs are live at once and the slabs they take), and
+    the most chunk state its ChunkStore holds on the device at once: x of two chunks (the
+    previous one's weight gradient runs after this chunk's inner loop), k and v of one
+    chunk, and q, o, lse, do, dq of two query chunks (double buffering). Returns (pair,
+    its backward-only part, device). Backwards run one at a time, so with several layers
+    or microbatches in flight the pool holds each one's forward buffers and one set of
+    backward buffers (a backward takes the buffers a finished one returned)."""
     u = spec.num_chunks(shape.seq_length)
     b, h, d, e = shape.micro_batch_size, shape.hidden_size, shape.head_dim, dtype_bytes
     a, g = shape.num_attention_heads / tp / cp, shape.groups / tp / cp
     C = spec.chunk_size
-    L = C / cp
-    x, olocal = L * b * h * e, L * b * a * cp * d * e
+    x = C / cp * b * h * e
     kv, qod, lse, dq = 2 * C * b * g * d * e, 3 * C * b * a * d * e, C * b * a * 4, C * b * a * d
-    backward = u * qod / 3 + (u - 1) * dq * e + max(u - 2, 0) * dq * 4
-    pool = u * (x + olocal + kv + 2 * qod / 3 + lse) + backward
+    forward, backward = pool_buffers(shape, spec, cp=cp, tp=tp, dtype_bytes=dtype_bytes)
+    back = float(sum(n * c for n, c in backward.items()))
+    pool = back + sum(n * c for n, c in forward.items())
     resident = 2 * x + kv + 2 * (qod + lse + dq * (4 if u > 2 else e))
-    return pool, backward, resident
+    return pool, back, resident
+
+
+def pool_buffers(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
+                 dtype_bytes: int = 2) -> tuple[dict, dict]:
+    """The host buffers of one layer's forward/backward pair by size ({bytes: how many}),
+    as fpdt/attention.py takes them (``offload_bytes`` has their sum): per chunk x and
+    o_local (sequence layout), k, v, q, o and the fp32 log-sum-exp in the forward; do of
+    every chunk, dq of the later query chunks in the kernel's dtype (u - 1) and as the
+    fp32 sum from the second KV chunk on (u - 2; in float32 and float64 the sum overwrites
+    the first buffer) in the backward. o_local and do, x and q may share a size, and so
+    slabs (residency.slab_layout); bytes are integral here."""
+    u = spec.num_chunks(shape.seq_length)
+    b, h, d, e = shape.micro_batch_size, shape.hidden_size, shape.head_dim, dtype_bytes
+    a, g = shape.num_attention_heads // tp // cp, shape.groups // tp // cp
+    C = spec.chunk_size
+    L = C // cp
+    forward: dict = {}
+    backward: dict = {}
+
+    def add(sizes: dict, nbytes: int, count: int) -> None:
+        if count > 0:
+            sizes[nbytes] = sizes.get(nbytes, 0) + count
+
+    acc = max(e, 4)  # kernels.acc_dtype: float32 below it, the input dtype from it on
+    for nbytes in (L * b * h * e, L * b * a * cp * d * e, C * b * g * d * e, C * b * g * d * e,
+                   C * b * a * d * e, C * b * a * d * e, C * b * a * acc):  # x, o_local, k, v, q, o, lse
+        add(forward, nbytes, u)
+    add(backward, C * b * a * d * e, u)  # do
+    add(backward, C * b * a * d * e, u - 1)  # dq, first contribution
+    if acc != e:  # the sum in the accumulation dtype takes a buffer of its own (else it reuses the first)
+        add(backward, C * b * a * d * acc, max(u - 2, 0))
+    return forward, backward
 
 
 def fmt_gib(x: float) -> str:

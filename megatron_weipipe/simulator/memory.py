@@ -12,11 +12,12 @@ schedule's own action lists, walked with the runtime's rules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 from megatron_weipipe.schedules.plan.actions import Flow, Kind, Schedule
 from megatron_weipipe.schedules.plan.posts import DEFAULT_ORDER, Post, pair_messages, rank_posts
 
+from megatron_weipipe.residency import pool_bytes
 from megatron_weipipe.shape import ModelShape
 
 
@@ -203,8 +204,8 @@ def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[in
     return tuple(out)
 
 
-def pool_sets(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ...]:
-    """Per rank, the sum over its model chunks of the most microbatches each chunk had in
+def pool_sets(schedule: Schedule, freed_at_input: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Per rank, for each of its model chunks, the most microbatches that chunk had in
     flight at once: how many forward sets the chunks' own host pools (FPDT offload: one
     per built model, so one per virtual pipeline stage) keep, as each stays at its peak."""
     out = []
@@ -219,7 +220,7 @@ def pool_sets(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ..
             elif a.kind is Kind.BACKWARD or (a.kind is Kind.BACKWARD_WEIGHT if split
                                                 else a.kind is Kind.BACKWARD_INPUT):
                 live.get(a.chunk, set()).discard(a.mb)
-        out.append(sum(peak.values()))
+        out.append(tuple(peak[c] for c in sorted(peak)))
     return tuple(out)
 
 
@@ -228,22 +229,42 @@ def model_chunks(schedule: Schedule, rank: int) -> int:
     return max(1, len({a.chunk for a in schedule.ranks[rank]}))
 
 
-def shared_pool_bytes(forward: float, backward: float, layers: int, *, recompute: bool, weipipe: bool,
-                      in_flight: int, chunk_sets: int, models: int) -> float:
+def _sets(forward: Mapping[int, int], backward: Mapping[int, int], n_forward: int, n_backward: int) -> float:
+    """Host bytes of one pool holding ``n_forward`` forward and ``n_backward`` backward sets."""
+    sizes: dict = {}
+    for buffers, n in ((forward, n_forward), (backward, n_backward)):
+        for nbytes, count in buffers.items():
+            sizes[int(nbytes)] = sizes.get(int(nbytes), 0) + n * count
+    return float(pool_bytes(sizes))
+
+
+def shared_pool_bytes(forward: Mapping[int, int], backward: Mapping[int, int], layers: int, *, recompute: bool,
+                      weipipe: bool, in_flight: int, chunk_sets: Sequence[int], models: int) -> float:
     """Host bytes of FPDT offload's pools, each shared by a built model's attention layers
-    and as large as the most buffers live in it at once. ``forward``/``backward``: one
-    layer's forward set and its backward-only extra; ``layers`` per chunk.
+    and as large as the most buffers live in it at once, laid out in power-of-two slabs as
+    the pool lays them out (``residency.pool_bytes``: what the pinned allocator really
+    gives). ``forward``/``backward``: one layer's forward set and its backward-only extra,
+    {buffer bytes: how many} (simulator/fpdt.py ``pool_buffers``); ``layers`` per chunk;
+    ``chunk_sets``: each model chunk's most microbatches in flight (``pool_sets``).
     Full recomputation: one layer's pair per pool (Megatron recomputes one layer at a
-    time: models x (forward + backward)); WeiPipe recomputes a whole chunk before its
+    time: models pools of forward + backward); WeiPipe recomputes a whole chunk before its
     backward: layers x forward + backward. Without it: every in-flight (microbatch,
     chunk)'s forward sets plus one backward set, the finished backwards' buffers taken
-    again: WeiPipe (one model) in_flight x layers x forward + backward, Megatron
-    chunk_sets x layers x forward + models x backward (per-chunk pools at their peaks)."""
+    again: WeiPipe (one model) in_flight x layers x forward + backward, Megatron per
+    chunk's pool its peak x layers x forward + backward."""
     if weipipe:
-        return (layers if recompute else in_flight * layers) * forward + backward
+        return _sets(forward, backward, layers if recompute else in_flight * layers, 1)
     if recompute:
-        return models * (forward + backward)
-    return chunk_sets * layers * forward + models * backward
+        return models * _sets(forward, backward, 1, 1)
+    return sum(_sets(forward, backward, peak * layers, 1) for peak in chunk_sets)
+
+
+def offloaded_inputs_host_bytes(kept: float, per_input: float) -> float:
+    """Host bytes of --offload-layer-inputs' pool holding ``kept`` bytes of layer inputs of
+    ``per_input`` each, in its power-of-two slabs (``residency.pool_bytes``)."""
+    if kept <= 0 or per_input <= 0:
+        return 0.0
+    return float(pool_bytes({int(per_input): round(kept / per_input)}))
 
 
 @dataclass(frozen=True)

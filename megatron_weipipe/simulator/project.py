@@ -270,8 +270,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
             if fp is not None and spec.fpdt.offload:
                 # one HostBufferPool per built model (model/long_context.py), shared by its
                 # attention layers: it grows to the most buffers live at once
-                forward = fp.pool_bytes_per_layer - fp.pool_backward_bytes
-                host = memory.shared_pool_bytes(forward, fp.pool_backward_bytes, k, recompute=spec.recompute,
+                host = memory.shared_pool_bytes(fp.pool_forward_buffers, fp.pool_backward_buffers, k,
+                                                recompute=spec.recompute,
                                                 weipipe=spec.is_weipipe, in_flight=in_flight[r], chunk_sets=pools[r],
                                                 models=memory.model_chunks(schedule, r))
                 chunk_state = fp.resident_chunk_bytes
@@ -305,4 +305,4 @@ def _offloaded_inputs(spec: RunSpec, kept: float, per_input: float) -> tuple[flo
     prefetched for the next recompute (model/layer_offload.py)."""
     if not spec.offload_layer_inputs:
         return kept, 0.0
-    return min(kept, 2 * per_input), kept
+    return min(kept, 2 * per_input), memory.offloaded_inputs_host_bytes(kept, per_input)
