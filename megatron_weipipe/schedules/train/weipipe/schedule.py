@@ -4,15 +4,16 @@ Ring = the pipeline-model-parallel group (P ranks). Each ring rank trains G =
 num_microbatches / P microbatches of its own per iteration through all P decoder
 chunks, the chunks' weights and gradients circulating (schedules/runtime/ring.py).
 The variant only decides the action lists (its plan, through the registry); this class
-is the same for all of them. After the iteration the owner's summed chunk gradient is copied into megatron-core
-DDP's main_grad, the replicated parameters' gradients are summed over the ring, and DDP
-finishes the data-parallel reduction, so megatron-core's optimizer (fp32 master,
-clipping, Adam) and checkpointing run unchanged.
+is the same for all of them. At the rank's OPTIMIZER_STEP the owner's summed chunk
+gradient is copied into megatron-core DDP's main_grad (and, with --overlap-grad-reduce,
+its data-parallel reduction starts); after the schedule the replicated parameters'
+gradients are summed over the ring and DDP finishes the data-parallel reduction
+(grad_sync.py), so megatron-core's optimizer (fp32 master, clipping, Adam) and
+checkpointing run unchanged.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import torch
 import torch.distributed as dist
 from torch.func import functional_call
@@ -41,7 +42,6 @@ class WeiPipeSchedule(TrainSchedule):
     # ------------------------------------------------------------------ model
 
     def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
-        from megatron.core.distributed import DistributedDataParallel
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         from megatron_weipipe.model.gpt import compute_dtype
@@ -51,6 +51,7 @@ class WeiPipeSchedule(TrainSchedule):
         from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
 
         from . import deferred
+        from .grad_sync import RingGradSync
         from .ring_model import DecoderChunk, make_ring_replicas, replicated_parameters
         from .steps import GPTEnds
 
@@ -59,15 +60,15 @@ class WeiPipeSchedule(TrainSchedule):
         make_ring_replicas(model, g.pp_rank, g.pipeline, dist.get_global_rank(g.pipeline, 0),
                            embedding_summed=model.share_embeddings_and_output_weights
                            and not self.cfg.model.layout_invariant_init)
-        # The owner's gradient is complete only when the schedule ends; DDP reduces it then.
-        conf = dataclasses.replace(ddp_config(self.cfg), overlap_grad_reduce=False)
-        self.model_chunks = [DistributedDataParallel(config=model.config, ddp_config=conf, module=model)]
         self.model = model
         self.template = DecoderChunk(model.decoder.layers, model.config.sequence_parallel)
         self.layout = FlatLayout.from_module(self.template)
         self.deferrable = deferred.install(self.template)  # QKV, projection, FC1, FC2 of every layer
         self.owned = dict(self.template.named_parameters())
         self.replicated = [p for _, p in replicated_parameters(model)]
+        # --overlap-grad-reduce: the owned chunk's bucket is reduced from its grad_ready on
+        self.grad_sync = RingGradSync.wrap(model, ddp_config(self.cfg), self.owned, self.replicated, g.pipeline)
+        self.model_chunks = [self.grad_sync.ddp]
         self.ends = GPTEnds(model, num_microbatches=self.G * self.P, cp_size=g.cp_size)
         self.compute_dtype = compute_dtype(self.cfg)
         schedule = generate(self.name, self.P, self.G)
@@ -111,31 +112,26 @@ class WeiPipeSchedule(TrainSchedule):
             self._forward_only(mbs)
         else:
             with self.trace_iteration():
-                result = self.runtime.run_iteration(
-                    self._master(), mbs, pre_fn=self.ends.pre_fn, post_fn=self.ends.post_fn,
-                    chunk_kwargs=self.ends.chunk_kwargs,
-                )
-                self._finish_grads(result.main_grad)
+                with self.grad_sync.schedule_scope():
+                    result = self.runtime.run_iteration(
+                        self._master(), mbs, pre_fn=self.ends.pre_fn, post_fn=self.ends.post_fn,
+                        chunk_kwargs=self.ends.chunk_kwargs, grad_ready=self._grad_ready,
+                    )
+                self._finish_grads()
                 if self.tracer is not None:  # in the trace file's otherData (written as the span ends)
                     meta = self.tracer.meta
                     meta["wgrad_peak_bytes"] = max(meta.get("wgrad_peak_bytes", 0), result.wgrad_peak_bytes)
             self.last_iteration = result  # deferred weight-gradient memory, bytes
         return StepResult(losses=[mb.reported for mb in mbs], has_loss=True)
 
-    def _finish_grads(self, chunk_grad: torch.Tensor) -> None:
-        """Owner's gradient into DDP's buffer, replicas summed over the ring, then DP."""
-        with torch.no_grad():
-            for name, view in self.layout.views(chunk_grad).items():
-                self.owned[name].main_grad.copy_(view)
-            grads = [p.main_grad for p in self.replicated]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.groups.pipeline)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-        ddp = self.model_chunks[0]
-        ddp.finish_grad_sync()
+    def _grad_ready(self, chunk: int, chunk_grad: torch.Tensor) -> None:
+        """The runtime's callback at OPTIMIZER_STEP: the owned chunk's gradient is final."""
+        self.grad_sync.grad_ready(chunk, self.layout.views(chunk_grad))
+
+    def _finish_grads(self) -> None:
+        """Replicas summed over the ring, every data-parallel reduction finished, then the
+        sequence-parallel norms' TP sum."""
+        self.grad_sync.finish()
         if self.model.config.sequence_parallel:
             from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
