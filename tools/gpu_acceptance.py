@@ -4,10 +4,13 @@
     bash tools/gpu_acceptance.sh                        # exit 1 if a check FAILs
     bash tools/gpu_acceptance.sh --require-cpu-checks   # ... or a check that needs no CUDA is SKIPPED (CI)
     bash tools/gpu_acceptance.sh --json                 # stdout: one JSON object
+    bash tools/gpu_acceptance.sh --json-out acc.json    # the same object in a file, beside the table
 
 Checks that need no CUDA run on any host (here: all of them PASS); the others run where
 the host has what they need (tools/acceptance/checks.py) and are SKIPPED with the reason
-elsewhere. Each subprocess logs to --logdir/<check>.log. Everything ends within
+elsewhere. In-process checks run first; then every other group runs side by side with
+the others, each on GPUs of its own (every GPU for the ring of P = N and the examples),
+the longest first. Each subprocess logs under --logdir. Everything ends within
 --budget-s seconds (default 570: the 10 minutes of a lent GPU, less start-up).
 """
 
@@ -16,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -41,18 +46,23 @@ def probe_host(logdir: str, budget_s: float) -> Host:
         reason = "no CUDA device visible (or MEGATRON_WEIPIPE_FORCE_CPU=1)"
     else:
         reason = ""
-    return Host(gpus=platform.device_count(), te=platform.transformer_engine_available(), no_cuda_reason=reason,
-                logdir=logdir, deadline=time.monotonic() + budget_s)
+    name = torch.cuda.get_device_name(0) if not reason else ""
+    return Host(gpus=platform.device_count() if not reason else 0, te=platform.transformer_engine_available(),
+                no_cuda_reason=reason, logdir=logdir, deadline=time.monotonic() + budget_s, gpu_name=name)
+
+
+def _skipped(group: Group, why: str) -> list[dict]:
+    return [dict(check=n, needs=group.needs, result="SKIPPED", reason=why, figure="", seconds=0.0) for n in group.rows]
 
 
 def run_group(group: Group, host: Host, skip: set) -> list[dict]:
-    """The group's rows: SKIPPED with a reason, or its results (an exception FAILs them all)."""
+    """The group's rows: SKIPPED with a reason, or its results (an exception FAILs them all).
+    A result ``(None, reason, s)`` is a row the group itself skips on this host."""
     why = group.skip_reason(host)
     if not why and set(group.rows) <= skip:
         why = "excluded by --skip"
     if why:
-        return [dict(check=n, needs=group.needs, result="SKIPPED", reason=why, figure="", seconds=0.0)
-                for n in group.rows]
+        return _skipped(group, why)
     t0 = time.perf_counter()
     try:
         results = group.run(host)
@@ -64,13 +74,59 @@ def run_group(group: Group, host: Host, skip: set) -> list[dict]:
     rows = []
     for n in group.rows:
         ok, figure, sec = results.get(n, (False, "no result", time.perf_counter() - t0))
-        rows.append(dict(check=n, needs=group.needs, result="PASS" if ok else "FAIL", reason="", figure=figure,
-                         seconds=round(sec, 2)))
+        result = "SKIPPED" if ok is None else ("PASS" if ok else "FAIL")
+        rows.append(dict(check=n, needs=group.needs, result=result, reason=figure if ok is None else "",
+                         figure="" if ok is None else figure, seconds=round(sec, 2)))
     return rows
 
 
+def run_all(gs: list[Group], host: Host, skip: set, cpu_slots: int, report=lambda rows: None) -> list[list[dict]]:
+    """Every group's rows, in ``gs`` order. Inline groups first, here; then the others on
+    threads, each holding its GPUs (or a CPU slot): the ones needing every GPU first, then
+    the longest expected; a group starts as soon as what it holds is free."""
+    out: list = [None] * len(gs)
+    waiting = []
+    for i, g in enumerate(gs):
+        why = g.skip_reason(host) or ("excluded by --skip" if set(g.rows) <= skip else "")
+        if why:
+            out[i] = _skipped(g, why)
+        elif g.inline:
+            out[i] = run_group(g, host.holding((0,)) if g.held(host) else host, skip)
+            report(out[i])
+        else:
+            waiting.append(i)
+    waiting.sort(key=lambda i: (gs[i].gpus != "all", -gs[i].expect_s, i))
+    free, cpu_busy, done, running = list(range(host.gpus)), 0, queue.Queue(), {}
+
+    def work(i, h):
+        try:
+            done.put((i, run_group(gs[i], h, skip)))
+        except BaseException as e:  # noqa: BLE001 - a row per check whatever happens
+            done.put((i, [dict(check=n, needs=gs[i].needs, result="FAIL", reason="", figure=f"{type(e).__name__}: {e}",
+                               seconds=0.0) for n in gs[i].rows]))
+
+    while waiting or running:
+        for i in list(waiting):
+            need = gs[i].held(host)
+            if (need == 0 and cpu_busy >= cpu_slots) or need > len(free):
+                continue
+            waiting.remove(i)
+            held, free = free[:need], free[need:]
+            cpu_busy += need == 0
+            running[i] = held
+            threading.Thread(target=work, args=(i, host.holding(held) if need else host), daemon=True).start()
+        i, rows = done.get()
+        held = running.pop(i)
+        free = sorted(free + held)
+        cpu_busy -= gs[i].held(host) == 0
+        out[i] = rows
+        report(rows)
+    return out
+
+
 def table(rows: list[dict], host: Host, elapsed: float) -> str:
-    lines = [f"GPU acceptance: {host.gpus} CUDA device(s), Transformer Engine "
+    gpu = f" ({host.gpu_name})" if host.gpu_name else ""
+    lines = [f"GPU acceptance: {host.gpus} CUDA device(s){gpu}, Transformer Engine "
              f"{'installed' if host.te else 'absent'}; {elapsed:.0f} s; logs in {host.logdir}",
              "| check | needs | result | figure | time |", "|---|---|---|---|---|"]
     for r in rows:
@@ -93,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--require-cpu-checks", action="store_true",
                     help="also fail when a check that needs no CUDA is SKIPPED (CI)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--json-out", default=None, metavar="PATH", help="also write that JSON object to PATH")
     ap.add_argument("--skip", nargs="*", default=[], metavar="CHECK", help="checks not to run (SKIPPED)")
     ap.add_argument("--logdir", default=None, help="where each check logs (default: a new temporary folder)")
     ap.add_argument("--budget-s", type=float, default=570.0, help="every check ends within this many seconds")
@@ -102,24 +159,27 @@ def main(argv=None) -> int:
     os.makedirs(logdir, exist_ok=True)
     t0 = time.monotonic()
     host = probe_host(logdir, args.budget_s)
-    known = {n for g in groups() for n in g.rows}
-    unknown = set(args.skip) - known
+    gs = groups()
+    unknown = set(args.skip) - {n for g in gs for n in g.rows}
     if unknown:
         print(f"gpu_acceptance: unknown check(s) for --skip: {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    rows = []
-    for group in groups():
-        rows += run_group(group, host, set(args.skip))
+
+    def report(rows):
         if not args.json:
-            for r in rows[-len(group.rows):]:
+            for r in rows:
                 print(f"  {r['check']}: {r['result']}", file=sys.stderr, flush=True)
+
+    cpu_slots = max(1, (os.cpu_count() or 2) // 4)
+    rows = [r for group_rows in run_all(gs, host, set(args.skip), cpu_slots, report) for r in group_rows]
     code = exit_code(rows, args.require_cpu_checks)
     elapsed = time.monotonic() - t0
-    if args.json:
-        print(json.dumps(dict(gpus=host.gpus, transformer_engine=host.te, seconds=round(elapsed, 1),
-                              logdir=logdir, exit_code=code, checks=rows)))
-    else:
-        print(table(rows, host, elapsed))
+    summary = dict(gpus=host.gpus, gpu_name=host.gpu_name, transformer_engine=host.te, seconds=round(elapsed, 1),
+                   logdir=logdir, exit_code=code, checks=rows)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=1)
+    print(json.dumps(summary) if args.json else table(rows, host, elapsed))
     return code
 
 

@@ -6,6 +6,7 @@
 #   bash tools/gpu_acceptance.sh                        # exit 1 if any check FAILs
 #   bash tools/gpu_acceptance.sh --require-cpu-checks   # CI: also if a no-CUDA check is SKIPPED
 #   bash tools/gpu_acceptance.sh --json                 # one JSON object on stdout
+#   bash tools/gpu_acceptance.sh --json-out FILE        # the table, and that object in FILE
 set -u
 cd "$(dirname "$0")/.."
 exec python tools/gpu_acceptance.py "$@"

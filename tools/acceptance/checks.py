@@ -1,31 +1,33 @@
-"""The checks of tools/gpu_acceptance.sh, in the order they run, and what each needs.
+"""The checks of tools/gpu_acceptance.sh, in table order, and what each needs.
 
-A group is one unit of work (an in-process function or one subprocess) that yields one or
-more rows. ``needs`` is what the host must have: ``cpu`` (any host), ``cuda`` (a CUDA
-device), ``2+gpus``, ``te`` (CUDA and Transformer Engine) or ``te+2gpus``. A group runs
-only where its needs are met; otherwise each of its rows is SKIPPED with the reason.
+A group is one unit of work (an in-process function, one subprocess, or one parity batch
+of torchruns) that yields one or more rows. ``needs`` is what the host must have: ``cpu``
+(any host), ``cuda`` (a CUDA device), ``N+gpus`` (N CUDA devices: NCCL refuses two ranks
+on one GPU), ``te`` (CUDA and Transformer Engine) or ``te+N+gpus``. A group runs only
+where its needs are met; otherwise each of its rows is SKIPPED with the reason.
 
-Sizes (and so the time on one H200) are stated where each group is defined; the CUDA
-groups together are sized to finish well inside 10 minutes (docs/gpu_readiness.md).
+``gpus`` is how many GPUs a group holds while it runs (0: none, "all": every one the host
+has); ``inline`` groups run first, in this process (on GPU 0). The others run side by
+side on disjoint GPUs (tools/gpu_acceptance.py). Sizes and times are stated where each
+group is defined and in docs/gpu_readiness.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Union
+
+from acceptance import parity_runs
+from acceptance.parity import CPU_ENV, batch_rows, run_batch, stop_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CPU_ENV = {"MEGATRON_WEIPIPE_FORCE_CPU": "1"}  # the CPU checks stay on the CPU on a GPU host too
-# Schedule parity vs PP=1: losses and gradient norms of 3 iterations, relative.
-PARITY_RTOL = {"gloo": 1e-5, "nccl": 1e-4, "te": 1e-3}
-NCCL_SCHEDULES = ("1f1b", "interleaved", "weipipe-naive", "weipipe-interleave", "weipipe-zb", "fpdt-cp2")
-TE_SCHEDULES = NCCL_SCHEDULES[:-1]  # FPDT builds its own local-layer spec
-GLOO_SCHEDULES = NCCL_SCHEDULES  # the same runs over gloo: each run is a second or two here
+SCHEDULES = parity_runs.SCHEDULES
 
 
 @dataclass
@@ -35,9 +37,27 @@ class Host:
     no_cuda_reason: str  # empty when CUDA is usable
     logdir: str
     deadline: float  # time.monotonic() by which every check must have ended
+    gpu_name: str = ""
+    devices: Optional[tuple] = None  # the GPUs a running group holds (indices into the visible ones)
 
     def left(self, cap: float) -> float:
         return max(1.0, min(cap, self.deadline - time.monotonic()))
+
+    def device_env(self) -> dict:
+        """CUDA_VISIBLE_DEVICES for a subprocess of a group that holds ``devices``."""
+        if self.devices is None:
+            return {}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(max(self.devices) + 1)]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[i] for i in self.devices)}
+
+    def holding(self, devices) -> "Host":
+        return replace(self, devices=tuple(devices))
+
+
+def min_gpus(needs: str) -> int:
+    m = re.search(r"(\d+)\+?gpus", needs)
+    return int(m.group(1)) if m else (0 if needs == "cpu" else 1)
 
 
 @dataclass
@@ -45,33 +65,42 @@ class Group:
     needs: str
     rows: tuple  # row names, in order
     run: Callable  # (host) -> {row: (ok, figure, seconds)}
+    gpus: Union[int, str] = 0  # GPUs held while it runs; "all": every GPU of the host
+    inline: bool = False
+    also_skip: Optional[Callable] = None  # (host) -> a reason to skip on a host that meets ``needs``, or ""
+    expect_s: float = 10.0  # about how long it runs on H200s: the longest start first
 
     def skip_reason(self, host: Host) -> str:
         if self.needs == "cpu":
             return ""
         if host.no_cuda_reason:
             return host.no_cuda_reason
-        if self.needs in ("2+gpus", "te+2gpus") and host.gpus < 2:
-            return f"needs 2+ CUDA devices, found {host.gpus}"
+        n = min_gpus(self.needs)
+        if n > 1 and host.gpus < n:
+            return f"needs {n}+ CUDA devices, found {host.gpus}"
         if self.needs.startswith("te") and not host.te:
             return "Transformer Engine is not installed"
-        return ""
+        return self.also_skip(host) if self.also_skip else ""
+
+    def held(self, host: Host) -> int:
+        if self.needs == "cpu":
+            return 0
+        return host.gpus if self.gpus == "all" else int(self.gpus)
 
 
 def _subprocess(host: Host, name: str, cmd: list, timeout: float, env: dict | None = None):
-    """Run ``cmd`` (its own session, so a timeout ends all it started); log to logdir/name.log."""
+    """Run ``cmd`` (a timeout ends all it started); log to logdir/name.log."""
     log = os.path.join(host.logdir, f"{name}.log")
     t0 = time.perf_counter()
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+                                env={**os.environ, "PYTHONWARNINGS": "ignore", **host.device_env(), **(env or {})})
         try:
             rc = proc.wait(timeout=host.left(timeout))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the session this call started (torchrun and its ranks)
-            proc.wait()
+            stop_tree(proc)
             rc = None
     return rc, time.perf_counter() - t0, log
 
@@ -92,7 +121,7 @@ def _in_process(fn, *args):
     return run
 
 
-# ---------------------------------------------------------------- CPU groups
+# ---------------------------------------------------------------- checks
 
 def nccl_ordering(host):
     rc, sec, log = _subprocess(host, "nccl-ordering", [sys.executable, "tools/check_schedules.py", "--semantics", "nccl"],
@@ -103,7 +132,7 @@ def nccl_ordering(host):
 
 
 def kernels(host, device, names):
-    """Rows fpdt-kernel-<device>-<dtype> and fpdt-chunked-<device>-<dtype>."""
+    """Rows fpdt-kernel-<device>[-<kernel>]-<dtype> and fpdt-chunked-<device>-<dtype>."""
     import torch
 
     from acceptance.kernels import chunked_check, kernel_check
@@ -111,8 +140,11 @@ def kernels(host, device, names):
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
     def one(name):
-        kind, dt = name.split("-")[1], name.rsplit("-", 1)[1]
-        return (kernel_check if kind == "kernel" else chunked_check)(device, dtypes[dt])
+        parts = name.split("-")  # fpdt, kind, device, [kernel], dtype
+        kind, dt = parts[1], parts[-1]
+        if kind == "kernel":
+            return kernel_check(device, dtypes[dt], kernel="-".join(parts[3:-1]) or "auto")
+        return chunked_check(device, dtypes[dt])
 
     return {name: _guard(one, name) for name in names}
 
@@ -131,47 +163,39 @@ def layer_parity(host, impl_b, rows):
     return out
 
 
+def parity_batch(host, make_batch: Callable):
+    """A parity batch's rows (tools/acceptance/parity.py); ``make_batch(host)`` sizes it."""
+    batch = make_batch(host)
+    return batch_rows(batch, run_batch(host, batch))
+
+
 def schedule_parity(host, backend, schedules, te=False):
-    """One torchrun over min(GPUs, 2) ranks (2 gloo processes here): PP=1, then each schedule."""
-    prefix = "te-nccl-parity" if te else f"{backend}-parity"
-    out_file = os.path.join(host.logdir, f"{prefix}.jsonl")
-    if os.path.exists(out_file):
-        os.remove(out_file)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "tools/acceptance/parity_worker.py", "--backend", backend, "--out", out_file, "reference", *schedules]
-    rc, sec, log = _subprocess(host, prefix, cmd + (["--te"] if te else []), 300,
-                               CPU_ENV if backend == "gloo" else None)
-    runs = {}
-    if os.path.exists(out_file):
-        runs = {r["name"]: r for r in map(json.loads, open(out_file))}
-    rtol = PARITY_RTOL["te" if te else backend]
-    ref = runs.get("reference")
-    out = {}
-    for s in schedules:
-        r = runs.get(s)
-        if ref is None or "error" in ref:
-            out[f"{prefix}-{s}"] = (False, f"the PP=1 reference did not finish (see {log})", sec)
-        elif r is None or "error" in r:
-            why = r["error"].strip().splitlines()[-1][:100] if r else f"no result (rc {rc}; see {log})"
-            out[f"{prefix}-{s}"] = (False, why, sec)
-        else:
-            pairs = list(zip(r["losses"] + r["grad_norms"], ref["losses"] + ref["grad_norms"]))
-            err = max(abs(a - b) / abs(b) for a, b in pairs)
-            ok = len(r["losses"]) == len(ref["losses"]) == 3 and err <= rtol
-            out[f"{prefix}-{s}"] = (ok, f"vs PP=1: losses+grad norms max rel {err:.1g} (rtol {rtol:g}; 3 iters, "
-                                        f"2 ranks)", r["seconds"])
-    return out
+    """PP = 1 and then each of ``schedules`` (a schedule or feature name) over 2 ranks,
+    tiny model, fp32: rows ``<backend>-parity-<name>`` (``te-nccl-parity-*`` with ``te``)."""
+    full = parity_runs.te_batch() if te else parity_runs.p2_batch(backend, sync_debug=False)
+    by_name = {r.name: r for r in full.runs}
+    runs = (by_name["reference"], *(by_name[f"reference:{s}"] for s in schedules))  # in the order given
+    batch = replace(full, runs=runs, syncs_row="")
+    return batch_rows(batch, run_batch(host, batch))
 
 
-# ---------------------------------------------------------------- CUDA groups
+def _ring_n(host):
+    return parity_runs.ring_batch("nccl", host.gpus, "pN")
+
+
+def _not_four(host):
+    return "" if host.gpus != 4 else "the GPU count is 4: the nccl-parity-p4 rows are that ring"
+
 
 def offload_and_rng(host):
     import torch
 
-    from acceptance.kernels import offload_check, rng_replay_check
+    from acceptance.kernels import delayed_copy_check, offload_check, rng_replay_check
 
     return {"fpdt-offload-overlap-cuda-fp32": _guard(offload_check, "cuda", torch.float32),
             "fpdt-offload-overlap-cuda-bf16": _guard(offload_check, "cuda", torch.bfloat16),
+            "fpdt-offload-delayed-copy-cuda-fp32": _guard(delayed_copy_check, "cuda", torch.float32),
+            "fpdt-offload-delayed-copy-cuda-bf16": _guard(delayed_copy_check, "cuda", torch.bfloat16),
             "rng-replay-cuda": _guard(rng_replay_check, "cuda")}
 
 
@@ -184,27 +208,47 @@ def bench(host):
     return {"fpdt-gpu-bench": (rc == 0, figure, sec)}
 
 
+def _cuda_kernel_rows() -> tuple:
+    """One self-check row per CUDA block kernel FPDT may choose (fpdt/kernels.py)."""
+    import torch
+
+    from megatron_weipipe.fpdt.kernels import cuda_kernels
+
+    return tuple(f"fpdt-kernel-cuda-{k}-{dt}" for dt, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+                 for k in sorted(cuda_kernels(dtype)))
+
+
 def groups() -> list[Group]:
+    from acceptance import example_runs
+
     kc = ("fpdt-kernel-cpu-fp32", "fpdt-kernel-cpu-bf16", "fpdt-chunked-cpu-fp32", "fpdt-chunked-cpu-bf16")
-    kg = ("fpdt-kernel-cuda-bf16", "fpdt-chunked-cuda-fp32", "fpdt-chunked-cuda-bf16")
+    kg = ("fpdt-kernel-cuda-bf16", *_cuda_kernel_rows(), "fpdt-chunked-cuda-fp32", "fpdt-chunked-cuda-bf16")
+    offload = ("fpdt-offload-overlap-cuda-fp32", "fpdt-offload-overlap-cuda-bf16",
+               "fpdt-offload-delayed-copy-cuda-fp32", "fpdt-offload-delayed-copy-cuda-bf16", "rng-replay-cuda")
+    harness = ("layer-parity-harness-fp32", "layer-parity-harness-bf16")
+    te_rows = ("te-parity-fp32", "te-parity-bf16")
+    gloo2, gloo3 = parity_runs.p2_batch("gloo", sync_debug=False), parity_runs.ring_batch("gloo", 3, "p3")
+    nccl2, nccl4 = parity_runs.p2_batch("nccl", sync_debug=True), parity_runs.ring_batch("nccl", 4, "p4")
+    ring_n, te2, one = parity_runs.ring_batch("nccl", 3, "pN"), parity_runs.te_batch(), parity_runs.one_gpu_batch()
     return [
+        # CPU: seconds each; the gloo batches are one torchrun of 2 (3) processes, ~1 s a run.
         Group("cpu", ("nccl-ordering",), nccl_ordering),
-        Group("cpu", kc, _in_process(kernels, "cpu", kc)),
-        Group("cpu", ("layer-parity-harness-fp32", "layer-parity-harness-bf16"),
-              _in_process(layer_parity, "local", ("layer-parity-harness-fp32", "layer-parity-harness-bf16"))),
-        Group("cpu", tuple(f"gloo-parity-{s}" for s in GLOO_SCHEDULES),
-              _in_process(schedule_parity, "gloo", GLOO_SCHEDULES)),
-        # CUDA kernels: S 512 / 2x256 blocks and S 16K h1024 for the overlap: seconds.
-        Group("cuda", kg, _in_process(kernels, "cuda", kg)),
-        Group("cuda", ("fpdt-offload-overlap-cuda-fp32", "fpdt-offload-overlap-cuda-bf16", "rng-replay-cuda"),
-              offload_and_rng),
+        Group("cpu", kc, _in_process(kernels, "cpu", kc), inline=True),
+        Group("cpu", harness, _in_process(layer_parity, "local", harness)),
+        Group("cpu", gloo2.rows, _in_process(parity_batch, lambda h: gloo2), expect_s=60),
+        Group("cpu", gloo3.rows, _in_process(parity_batch, lambda h: gloo3), expect_s=30),
+        # CUDA kernels: S 512 / 2x256 blocks; the overlap and delayed copies at S 16K h1024: seconds.
+        Group("cuda", kg, _in_process(kernels, "cuda", kg), gpus=1, inline=True),
+        Group("cuda", offload, offload_and_rng, gpus=1, inline=True),
+        # Every GPU: the ring of P = N (skipped where N is 4: the p4 batch), then the examples.
+        Group("3+gpus", ring_n.rows, _in_process(parity_batch, _ring_n), gpus="all", also_skip=_not_four,
+              expect_s=130),
+        Group("cuda", example_runs.ROWS, example_runs.run, gpus="all", expect_s=170),
+        Group("2+gpus", nccl2.rows, _in_process(parity_batch, lambda h: nccl2), gpus=2, expect_s=120),
+        Group("4+gpus", nccl4.rows, _in_process(parity_batch, lambda h: nccl4), gpus=4, expect_s=100),
+        Group("te+2gpus", te2.rows, _in_process(parity_batch, lambda h: te2), gpus=2, expect_s=60),
         # One process, 2-layer h256 model, two dtypes: under a minute with start-up.
-        Group("te", ("te-parity-fp32", "te-parity-bf16"),
-              _in_process(layer_parity, "transformer_engine", ("te-parity-fp32", "te-parity-bf16"))),
-        # One torchrun each: start-up plus 7 (6) tiny 3-iteration runs, about a minute each.
-        Group("2+gpus", tuple(f"nccl-parity-{s}" for s in NCCL_SCHEDULES),
-              _in_process(schedule_parity, "nccl", NCCL_SCHEDULES)),
-        Group("te+2gpus", tuple(f"te-nccl-parity-{s}" for s in TE_SCHEDULES),
-              _in_process(schedule_parity, "nccl", TE_SCHEDULES, True)),
-        Group("cuda", ("fpdt-gpu-bench",), bench),
+        Group("te", te_rows, _in_process(layer_parity, "transformer_engine", te_rows), gpus=1, expect_s=45),
+        Group("cuda", one.rows, _in_process(parity_batch, lambda h: one), gpus=1, expect_s=40),
+        Group("cuda", ("fpdt-gpu-bench",), bench, gpus=1, expect_s=150),
     ]

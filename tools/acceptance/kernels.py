@@ -9,6 +9,8 @@
   backward (dx, dW_qkv, dW_proj); errors are relative to the reference's largest value.
 - ``offload_check`` (CUDA): FPDT with offload on a side stream is bitwise equal to FPDT
   without, and the profiler's trace shows the copies overlapping compute kernels.
+- ``delayed_copy_check`` (CUDA): the same with every copy delayed on its side stream
+  (tools/acceptance/copy_delay.py): still bitwise equal.
 
 Each returns (ok, figure, seconds).
 """
@@ -36,11 +38,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def kernel_check(device: str, dtype: torch.dtype, s: int = 256, d: int = 64):
-    """Block kernel picked for (device, dtype) vs the math kernel; fwd (out, lse) + bwd."""
+def kernel_check(device: str, dtype: torch.dtype, s: int = 256, d: int = 64, kernel: str = "auto"):
+    """Block kernel ``kernel`` (``auto``: the one FPDT picks for (device, dtype)) vs the math
+    kernel; fwd (out, lse) + bwd."""
     device = torch.device(device)
     t0 = time.perf_counter()
-    kern = select_kernel("auto", device, dtype, d)
+    kern = select_kernel(kernel, device, dtype, d)
     err = self_check(kern, device, dtype, hq=4, hkv=2, s=s, d=d)
     tol = KERNEL_TOL[dtype]
     figure = f"{kern.name}: max abs err {err:.2g} (tol {tol:g}; b1 h4/2 s{s}+{s} d{d})"
@@ -150,6 +153,41 @@ def offload_check(device: str, dtype: torch.dtype, S: int = 16384, chunks: int =
     figure = (f"offload == no offload: {'bitwise' if exact else 'DIFFERENT'}; copies {copy_ms:.1f} ms, "
               f"{share:.0%} under compute (min {MIN_OVERLAP:.0%}; S{S} h{hidden} {chunks} chunks)")
     return exact and share >= MIN_OVERLAP, figure, time.perf_counter() - t0
+
+
+def delayed_copy_check(device: str, dtype: torch.dtype, S: int = 16384, chunks: int = 8, hidden: int = 1024,
+                       heads: int = 8, groups: int = 8):
+    """Offload with each copy delayed ~1 ms on its side stream vs no offload: bitwise equal
+    (deterministic algorithms; the no-offload run twice is the control)."""
+    from acceptance.copy_delay import delay
+    from megatron_weipipe.fpdt.copy_streams import for_device
+
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    spec, x, wq, wp, dy = _layer(S, hidden, heads, groups)
+    cast = [t.to(device=device, dtype=dtype) for t in (x, wq, wp, dy)]
+    copies = [0]
+    pools = {False: HostBufferPool(pin_memory=device.type == "cuda"),
+             True: HostBufferPool(pin_memory=device.type == "cuda", copy_streams=delay(for_device(device), copies))}
+
+    def run(offload, delayed=False):
+        cfg = FPDTConfig(chunk_size=S // chunks, offload=offload)
+        pool = pools[delayed]
+        return _grads(lambda a, b, c: fpdt_attention(a, b, None, c, None, spec, cfg, pool=pool), *cast)
+
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        plain, again, late = run(False), run(False), run(True, delayed=True)
+        _sync(device)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    decidable = all(torch.equal(a, b) for a, b in zip(plain, again))
+    exact = all(torch.equal(a, b) for a, b in zip(plain, late))
+    how = "delayed ~1 ms" if device.type == "cuda" else "counted (no side stream here)"
+    figure = (f"{copies[0]} copies {how}: {'bitwise' if exact else 'DIFFERENT'} to no offload; no offload "
+              f"twice: {'bitwise' if decidable else 'DIFFERENT (undecided)'} (S{S} h{hidden} {chunks} chunks)")
+    return exact and decidable and copies[0] > 0, figure, time.perf_counter() - t0
 
 
 def rng_replay_check(device: str):
