@@ -58,9 +58,10 @@ class ModelConfig:
                     "layers, dropout replay under them) instead of falling back to local layers with a notice")
     attention_backend: str = option(
         "auto", choices=("flash", "fused", "unfused", "local", "auto"),
-        help="core attention (Megatron-LM's values). Without a GPU: auto/flash/fused = torch's fused "
-             "scaled_dot_product_attention, unfused/local = megatron-core's DotProductAttention; on a GPU "
-             "accepted, the layer spec decides as before")
+        help="core attention (Megatron-LM's values). Local layers: auto/flash/fused = torch's fused "
+             "scaled_dot_product_attention (on a GPU its flash/cuDNN/memory-efficient kernels only), "
+             "unfused/local = megatron-core's DotProductAttention; Transformer Engine layers: TE's "
+             "flash/fused/unfused choice (NVTE_*_ATTN), local = local layers")
     recompute_granularity: Optional[str] = option(None, help="activation recomputation: full or selective")
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "

@@ -1,9 +1,10 @@
 """Flags of Megatron-LM's launch scripts that this package accepts so the scripts run unchanged.
 
-Two kinds (docs/megatron_flags.md lists them): flags that change nothing here, because
-they select kernels, fusions, overlaps or GPU memory handling that compute the same
-math (accepted, no effect); and flags that would change the math or need something this
-package does not have (refused at start-up with one line naming the flag).
+Three kinds (docs/megatron_flags.md lists them): flags with their Megatron-LM effect on a
+kernel choice (accepted, honoured: the same math, a different kernel); flags that change
+nothing here, because they select kernels, fusions, overlaps or GPU memory handling that
+compute the same math (accepted, no effect); and flags that would change the math or
+need something this package does not have (refused at start-up with one line naming the flag).
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from typing import Optional
 from megatron_weipipe.errors import ConfigError
 from megatron_weipipe.flags import flag_name, flag_spec, option
 
-_NOOP = "accepted from Megatron-LM; changes nothing here"
+_ACCEPTED = "accepted from Megatron-LM"
+_NOOP = f"{_ACCEPTED}; changes nothing here"
 
 
 def _noop(why: str, default=False, **kw):
     return option(default, help=f"{_NOOP} ({why})", **kw)
+
+
+def _honoured(what: str, default=False, **kw):
+    return option(default, help=f"{_ACCEPTED}; {what}", **kw)
 
 
 def _refused(why: str, default=None, **kw):
@@ -27,10 +33,13 @@ def _refused(why: str, default=None, **kw):
 
 @dataclass
 class MegatronCompatConfig:
-    # --- accepted, no effect ------------------------------------------------------
+    # --- accepted: _honoured ones take effect (model/attention.py, model/gpt.py), _noop ones do not
     use_mcore_models: bool = _noop("the model is always megatron-core's GPTModel")
-    use_flash_attn: bool = _noop("attention kernel choice; the same softmax attention is computed")
-    no_masked_softmax_fusion: bool = _noop("kernel fusion")
+    use_flash_attn: bool = _honoured("--attention-backend auto becomes flash (Transformer Engine: its "
+                                     "flash-attention only; local layers: torch's fused SDPA, as auto already is)")
+    no_masked_softmax_fusion: bool = _honoured("megatron-core's unfused attention (--attention-backend "
+                                               "unfused/local) keeps torch's softmax even where the fused "
+                                               "masked-softmax kernels import")
     no_bias_gelu_fusion: bool = _noop("kernel fusion")
     no_bias_swiglu_fusion: bool = _noop("kernel fusion")
     no_bias_dropout_fusion: bool = _noop("kernel fusion")
@@ -84,8 +93,9 @@ class MegatronCompatConfig:
 
     @staticmethod
     def accepted() -> list[str]:
+        """Every accepted flag: honoured and no-op ones."""
         return [flag_name(f) for f in fields(MegatronCompatConfig)
-                if flag_spec(f).help.startswith(_NOOP)]
+                if flag_spec(f).help.startswith(_ACCEPTED)]
 
     @staticmethod
     def refused() -> list[str]:

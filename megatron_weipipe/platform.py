@@ -11,8 +11,10 @@ processes. It is applied only when no GPU is present and never changes a CUDA ho
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -37,6 +39,8 @@ class Platform:
     backend: str  # "nccl" or "gloo"
     # None: look for the package; True/False: a stated capability (tests fake a TE host).
     transformer_engine: Optional[bool] = None
+    # None: try importing the compiled softmax kernels; True/False: a stated capability.
+    fused_softmax: Optional[bool] = None
 
     @property
     def is_cuda(self) -> bool:
@@ -50,6 +54,13 @@ class Platform:
     def current_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
 
+    def collective_device(self, group=None) -> torch.device:
+        """Where a collective's tensors must live: NCCL serves CUDA tensors only, gloo host
+        ones (megatron_weipipe/host_values.py states the rule)."""
+        import torch.distributed as dist
+
+        return self.current_device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
     def device_count(self) -> int:
         """CUDA devices visible to this process (0 on a CPU host)."""
         return torch.cuda.device_count() if self.is_cuda else 0
@@ -62,16 +73,24 @@ class Platform:
         return self.is_cuda and importlib.util.find_spec("transformer_engine") is not None
 
     def attention_backend(self, requested: str = "auto") -> str:
-        """The core attention a Megatron-LM ``--attention-backend`` value selects here.
+        """The core attention of megatron-core's local layers for a ``--attention-backend`` value.
 
-        Without a GPU, ``auto`` is ``flash``: torch's fused scaled-dot-product kernel
-        (memory linear in the sequence), so long sequences fit; ``unfused`` / ``local`` keep
-        megatron-core's unfused DotProductAttention. On a CUDA host the value is returned
-        as given and the layer spec decides as before (Transformer Engine when installed).
+        ``auto`` is ``flash`` on every host: torch's fused scaled-dot-product attention
+        (memory linear in the sequence; on a GPU restricted to its flash, cuDNN and
+        memory-efficient kernels, model/attention.py). ``unfused`` / ``local`` keep
+        megatron-core's DotProductAttention, which holds the [b, heads, s, s] scores.
+        Transformer Engine layers get the requested value itself (model/gpt.py passes it
+        to megatron-core, which maps it to TE's NVTE_*_ATTN choice).
         """
-        if self.is_cuda:
-            return requested
         return "flash" if requested == "auto" else requested
+
+    def masked_softmax_fusion_available(self) -> bool:
+        """Whether megatron-core's fused masked softmax can run: a GPU and the compiled
+        kernels it imports at its first call (apex's ``scaled_*softmax_cuda`` modules,
+        absent from a plain pip install). Probed once per process."""
+        if not self.is_cuda:
+            return False
+        return self.fused_softmax if self.fused_softmax is not None else _fused_softmax_imports()
 
     def peak_memory_gb(self) -> tuple[float, str]:
         """Peak device memory (CUDA) or peak resident set (CPU), in GB, with its meaning."""
@@ -107,6 +126,25 @@ def quiet_host_notices() -> None:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
     warnings.filterwarnings("ignore", message="absl.logging is not installed")  # megatron-core 0.19
     logging.getLogger("torch.utils.cpp_extension").addFilter(_DropNotice("No CUDA runtime is found"))
+
+
+FUSED_SOFTMAX_MODULES = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda",
+                         "scaled_softmax_cuda")
+
+
+@functools.cache
+def _fused_softmax_imports() -> bool:
+    """Import the kernels megatron-core's FusedScaleMaskSoftmax calls; one logged line if one is missing."""
+    import importlib
+
+    for name in FUSED_SOFTMAX_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            log.warning("notice: fused masked softmax off: %s does not import (megatron-core's torch softmax "
+                        "is used)", name)
+            return False
+    return True
 
 
 def detect_platform() -> Platform:
@@ -183,11 +221,28 @@ def _is_cuda_device(device) -> bool:
 class _CudaToCpuMode(TorchFunctionMode):
     """Redirects CUDA device arguments to the CPU and reports CPU tensors as CUDA types.
 
-    Only arguments are rewritten; every op still runs the normal CPU kernel.
+    Only arguments are rewritten; every op still runs the normal CPU kernel. Observers
+    (``observing_device_requests``) see each call as the code made it, before the rewrite,
+    with its result: what a GPU host would have put on the device.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not _device_request_observers or getattr(_observed_call, "active", False):
+            return self._redirected(func, args, kwargs)
+        # The outermost call only: a stacked adapter (recomputation pushes one) sees it again,
+        # already rewritten to the CPU.
+        _observed_call.active = True
+        try:
+            result = self._redirected(func, args, kwargs)
+        finally:
+            _observed_call.active = False
+        for observe in _device_request_observers:
+            observe(func, args, kwargs, result)
+        return result
+
+    @staticmethod
+    def _redirected(func, args, kwargs):
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device="cpu")
         if func is torch.Tensor.cuda:
@@ -202,6 +257,41 @@ class _CudaToCpuMode(TorchFunctionMode):
         if "pin_memory" in kwargs and kwargs["pin_memory"]:
             kwargs = dict(kwargs, pin_memory=False)
         return func(*args, **kwargs)
+
+
+_device_request_observers: list = []
+_observed_call = threading.local()
+
+
+@contextlib.contextmanager
+def observing_device_requests(fn):
+    """Call ``fn(func, args, kwargs, result)`` for every torch call the CPU adapter sees,
+    with the arguments as the code passed them (``device="cuda"`` still there).
+
+    While observed, the Python backward of custom autograd functions runs under the
+    adapter too (the engine starts backward with no torch-function mode), so what it
+    creates is seen as well. Tests use this to check device discipline on a CPU host
+    (tests/harness/devices.py)."""
+    from torch.autograd.function import BackwardCFunction
+
+    plain_apply = BackwardCFunction.apply
+
+    def apply(self, *grads):
+        # The backward call that got here is itself an observed call still running.
+        outer, _observed_call.active = getattr(_observed_call, "active", False), False
+        try:
+            with _CudaToCpuMode():
+                return plain_apply(self, *grads)
+        finally:
+            _observed_call.active = outer
+
+    _device_request_observers.append(fn)
+    BackwardCFunction.apply = apply
+    try:
+        yield
+    finally:
+        BackwardCFunction.apply = plain_apply
+        _device_request_observers.remove(fn)
 
 
 class _NullStream:

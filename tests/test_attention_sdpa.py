@@ -119,6 +119,6 @@ def test_platform_selects_the_core_attention(requested, cpu):
     from megatron_weipipe.platform import Platform
 
     assert Platform("cpu", "gloo").attention_backend(requested) == cpu
-    assert Platform("cuda", "nccl").attention_backend(requested) == requested  # the GPU path is unchanged
+    assert Platform("cuda", "nccl").attention_backend(requested) == cpu  # the same rule on a GPU host
     want = SDPACoreAttention if cpu in ("flash", "fused") else DotProductAttention
     assert core_attention_class(cpu) is want

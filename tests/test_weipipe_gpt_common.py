@@ -15,7 +15,9 @@ RTOL = 1e-5
 
 
 def argv(**overrides) -> list[str]:
-    base = dict(make_vocab_size_divisible_by=512)
+    # Adam eps 1e-6: the key bias gets only rounding noise as gradient (softmax ignores it),
+    # which the default 1e-8 scales up to updates that differ per layout by ~1e-5.
+    base = dict(make_vocab_size_divisible_by=512, adam_eps=1e-6)
     base.update(overrides)
     return tiny_gpt_args(**base)
 

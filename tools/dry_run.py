@@ -24,10 +24,16 @@ With --json, stdout holds one JSON object: peak_accelerator_bytes, host_bytes,
 sent_bytes (integers), categories (role -> bytes at the peak), category_peaks (each
 role's own peak, what the estimator gives per role) and estimator (the
 simulator's memory estimator and byte model for the same run, same keys). Bad flags
-exit 2. The core attention is the model's own (`--attention-backend`; on this CPU host
-`auto` is torch's fused kernel, which keeps no s x s probabilities, as flash attention on a
-GPU; `unfused` keeps them). `--attention flash|local` is shorthand for
-`--attention-backend flash|unfused`.
+exit 2. The core attention is the model's own (`--attention-backend`; `auto` is torch's
+fused kernel, which keeps no s x s probabilities, as flash attention on a GPU; `unfused`
+keeps them). `--attention flash|local` is shorthand for `--attention-backend flash|unfused`.
+
+`--platform cuda` counts what a CUDA host without Transformer Engine builds (the layers
+WeiPipe always builds on a GPU): the model is built for ``Platform("cuda", "nccl",
+transformer_engine=False)`` (megatron-core's local layers with ``CudaSDPACoreAttention``,
+GPU-only fusions' decisions, no fused masked softmax) while its tensors stay fake CPU
+tensors; torch.compile'd fusions run eagerly (same tensors, no compiled graph). The
+default, `--platform host`, builds for this host. TE's own layers cannot be built here.
 """
 
 from __future__ import annotations
@@ -286,7 +292,24 @@ def _synthetic_batches(cfg, n: int, vocab: int):
     return out
 
 
-def dry_run(argv, world_size: int, rank: int, explain: bool = False) -> dict:
+def _layers_platform(name: str):
+    """The Platform the model is built for: this host's, or a CUDA host's without TE."""
+    from megatron_weipipe.platform import Platform, detect_platform
+
+    if name == "cuda":
+        return Platform("cuda", "nccl", transformer_engine=False, fused_softmax=False)
+    return detect_platform()
+
+
+def _model_provider(platform, cfg, vocab_size, pre_process=True, post_process=True, vp_stage=None):
+    """pretrain_gpt.py's model_provider, for ``platform``."""
+    from megatron_weipipe.model.gpt import build_gpt_model
+
+    return build_gpt_model(cfg, vocab_size, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                           platform=platform)
+
+
+def dry_run(argv, world_size: int, rank: int, explain: bool = False, platform: str = "host") -> dict:
     os.environ["WORLD_SIZE"], os.environ["RANK"] = str(world_size), str(rank)
     os.environ.setdefault("LOCAL_RANK", "0")
     from megatron_weipipe.arguments import parse_config
@@ -325,9 +348,16 @@ def dry_run(argv, world_size: int, rank: int, explain: bool = False) -> dict:
     started = time.time()
     from megatron_weipipe import residency
 
+    layers_platform = _layers_platform(platform)
+    if layers_platform.is_cuda:
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True  # megatron-core's torch.compile'd fusions: eager on fake tensors
+
     with FakeTensorMode(allow_non_fake_inputs=True), _tracking_mode(ledger), residency.observing(ledger.to_host):
         schedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
-        chunks = schedule.build_model(partial(pretrain_gpt.model_provider, cfg, vocab))
+        provider = partial(_model_provider, layers_platform) if platform == "cuda" else pretrain_gpt.model_provider
+        chunks = schedule.build_model(partial(provider, cfg, vocab))
         params = [p for m in chunks for p in m.parameters()]
         ledger.assign(params, "parameters")
         ledger.assign([getattr(p, "main_grad", None) for p in params], "gradients")
@@ -352,9 +382,9 @@ def dry_run(argv, world_size: int, rank: int, explain: bool = False) -> dict:
     sent = sum(ctx.bytes.sent.values())
     if explain:
         _explain(ledger)
-    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size)
+    estimated = estimate(cfg, ctx.groups.pp_rank, tokenizer.vocab_size, layers_platform)
     roles = {c: int(ledger.peak_roles[c]) for c in CATEGORIES}
-    return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name,
+    return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name, "platform": platform,
             "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
             "sent_bytes": int(sent), "categories": roles, "seconds": round(time.time() - started, 1),
             "category_peaks": {c: int(ledger.role_peaks[c]) for c in CATEGORIES}, "estimator": estimated}
@@ -374,19 +404,20 @@ def _explain(ledger: Ledger) -> None:
             print(f"  {n:>16} {count:>5} x {role:<22} {dtype:<9} {list(shape)}", file=sys.stderr)
 
 
-def estimate(cfg, pp_rank: int, vocab: int) -> dict:
+def estimate(cfg, pp_rank: int, vocab: int, platform=None) -> dict:
     """The simulator's memory estimator and byte model for the same run and pipeline rank,
     in the dry run's roles (megatron-core's local layers, with the core attention the
-    platform resolves --attention-backend to)."""
+    platform resolves --attention-backend to: flash mode for torch's fused SDPA)."""
     from megatron_weipipe.simulator.fpdt import analyse
     from megatron_weipipe.simulator.hardware import HOST_LINKS, Cluster, device_preset, link_preset
     from megatron_weipipe.simulator.project import counter_bytes, rank_memory, state_bytes
     from megatron_weipipe.simulator.run_spec import spec_from_config
 
     cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
-    from megatron_weipipe.platform import Platform
+    from megatron_weipipe.model.attention import SDPA_BACKENDS, requested_backend
+    from megatron_weipipe.platform import detect_platform
 
-    fused = Platform("cpu", "gloo").attention_backend(cfg.model.attention_backend) in ("flash", "fused")
+    fused = (platform or detect_platform()).attention_backend(requested_backend(cfg)) in SDPA_BACKENDS
     spec = spec_from_config(cfg, attention_impl="unfused+flash" if fused else "unfused")
     schedule = spec.build_schedule()
     fp = None
@@ -428,6 +459,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--attention", choices=("local", "flash"), default=None)
     ap.add_argument("--explain", action="store_true")
+    ap.add_argument("--platform", choices=("host", "cuda"), default="host")
     own, rest = ap.parse_known_args(argv)
     if own.attention is not None:
         rest += ["--attention-backend", "flash" if own.attention == "flash" else "unfused"]
@@ -438,14 +470,15 @@ def main(argv=None) -> int:
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the program's own prints stay off stdout
-            out = dry_run(rest, own.world_size, own.rank, own.explain)
+            out = dry_run(rest, own.world_size, own.rank, own.explain, own.platform)
     except ConfigError as e:
         print(f"dry_run: {e}", file=sys.stderr)
         return 2
     if own.json:
         print(json.dumps(out))
         return 0
-    print(f"dry run of rank {own.rank} of {own.world_size} ({out['schedule']}), {out['seconds']} s:")
+    print(f"dry run of rank {own.rank} of {own.world_size} ({out['schedule']}, layers for {own.platform}), "
+          f"{out['seconds']} s:")
     est = out["estimator"]
     print("| role | at the peak (bytes) | at the peak | own peak | estimator | estimator / own peak |\n"
           "|---|---|---|---|---|---|")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import math
 from typing import Optional
 
 import torch
@@ -31,11 +29,26 @@ def compute_dtype(cfg: PretrainConfig) -> torch.dtype:
     return torch.float32
 
 
-def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = None) -> TransformerConfig:
-    """megatron-core's TransformerConfig from our flags."""
+def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = None,
+                             platform: Optional[Platform] = None) -> TransformerConfig:
+    """megatron-core's TransformerConfig from our flags, for the layers ``platform`` builds.
+
+    Transformer Engine layers get --attention-backend as megatron-core's ``attention_backend``
+    (its LanguageModule maps it to TE's NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN,
+    as Megatron-LM does); local layers choose their core attention in ``layer_spec`` and
+    keep ``auto`` (all three left on). The fused masked softmax (megatron-core's unfused
+    attention only) is on where its compiled kernels import, unless --no-masked-softmax-fusion.
+    """
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_weipipe.model.attention import requested_backend
+    from megatron_weipipe.model.layer_choice import choose_layers
+
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    platform = platform or detect_platform()
     dtype = compute_dtype(cfg)
-    on_gpu = detect_platform().is_cuda
+    on_gpu = platform.is_cuda
+    te_layers = choose_layers(cfg, platform).transformer_engine
     kwargs = dict(
         num_layers=num_layers if num_layers is not None else m.num_layers,
         hidden_size=m.hidden_size,
@@ -69,7 +82,8 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
         recompute_num_layers=m.recompute_num_layers,
         apply_rope_fusion=False,
         bias_activation_fusion=on_gpu and not m.swiglu and m.add_bias_linear,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=platform.masked_softmax_fusion_available() and not cfg.megatron.no_masked_softmax_fusion,
+        attention_backend=AttnBackend[requested_backend(cfg)] if te_layers else AttnBackend.auto,
         bias_dropout_fusion=on_gpu,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -90,16 +104,26 @@ def layer_spec(cfg: PretrainConfig, platform: Optional[Platform] = None):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from megatron_weipipe.model.attention import core_attention_class
+    from megatron_weipipe.model.attention import core_attention_class, requested_backend
 
     platform = platform or detect_platform()
     if use_transformer_engine(cfg, platform):
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec()  # attention: build_transformer_config
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
-    # --attention-backend, resolved by the platform (CPU: torch's fused SDPA unless unfused/local).
-    backend = platform.attention_backend(cfg.model.attention_backend)
-    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
+    # --attention-backend, resolved by the platform: torch's fused SDPA unless unfused/local.
+    backend = platform.attention_backend(requested_backend(cfg))
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend, platform)
     return spec
+
+
+def model_layer_spec(cfg: PretrainConfig, platform: Platform, long_context=None):
+    """The layer spec ``build_gpt_model`` builds: Ulysses/FPDT's when ``long_context`` (its
+    LongContextSettings) is given, else ``layer_spec``."""
+    from megatron_weipipe.model.long_context import long_context_layer_spec
+
+    if long_context is not None:
+        return long_context_layer_spec(cfg, long_context, platform)
+    return layer_spec(cfg, platform)
 
 
 def build_gpt_model(
@@ -109,39 +133,43 @@ def build_gpt_model(
     post_process: bool,
     vp_stage: Optional[int] = None,
     spec=None,
+    platform: Optional[Platform] = None,
 ) -> GPTModel:
-    """One pipeline stage (or virtual stage) of the GPT model, on this rank's device."""
+    """One pipeline stage (or virtual stage) of the GPT model, on this rank's device.
+    ``platform`` (default: this host's) decides the layers, their kernels and the device."""
     from megatron_weipipe.model.long_context import (
         build_settings,
         chunk_final_norm,
         chunk_norms,
         install_chunked_loss,
-        long_context_layer_spec,
         uses_long_context,
     )
+    from megatron_weipipe.model.init import core_initialization_skipped, reinitialize_layout_invariant
 
     m = cfg.model
-    tconf = build_transformer_config(cfg)
+    platform = platform or detect_platform()
+    tconf = build_transformer_config(cfg, platform=platform)
     long_context = build_settings(cfg) if uses_long_context(cfg) else None
     if spec is None:
-        spec = long_context_layer_spec(cfg, long_context) if long_context is not None else layer_spec(cfg)
-    model = GPTModel(
-        config=tconf,
-        transformer_layer_spec=spec,
-        vocab_size=vocab_size,
-        max_sequence_length=m.max_position_embeddings or m.seq_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-        position_embedding_type=m.position_embedding_type,
-        rotary_percent=m.rotary_percent,
-        rotary_base=m.rotary_base,
-        rope_scaling=m.use_rope_scaling,
-        rope_scaling_factor=m.rope_scaling_factor,
-        vp_stage=vp_stage,
-    )
-    platform = detect_platform()
+        spec = model_layer_spec(cfg, platform, long_context)
+    # The layout-invariant init overwrites every parameter: megatron-core's draws are skipped.
+    with core_initialization_skipped(tconf, enabled=m.layout_invariant_init):
+        model = GPTModel(
+            config=tconf,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=m.max_position_embeddings or m.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+            position_embedding_type=m.position_embedding_type,
+            rotary_percent=m.rotary_percent,
+            rotary_base=m.rotary_base,
+            rope_scaling=m.use_rope_scaling,
+            rope_scaling_factor=m.rope_scaling_factor,
+            vp_stage=vp_stage,
+        )
     if platform.is_cuda:
         model.cuda(platform.current_device())
     dtype = compute_dtype(cfg)
@@ -151,7 +179,7 @@ def build_gpt_model(
         # fp32 master weights.
         model.to(dtype=dtype)
     if m.layout_invariant_init:
-        reinitialize_layout_invariant(model, cfg)
+        reinitialize_layout_invariant(model, cfg.training.seed, m.init_method_std, m.num_layers)
     if m.offload_layer_inputs:
         from megatron_weipipe.model.layer_offload import LayerInputStore, install_on_block
 
@@ -164,71 +192,3 @@ def build_gpt_model(
                 chunk_final_norm(model, long_context.num_chunks)
     return model
 
-
-def _key_seed(seed: int, key: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _init_kind(key: str) -> str:
-    """How megatron-core initialises the tensor behind a sharded-state-dict key."""
-    leaf = key.rsplit(".", 1)[-1]
-    if "layernorm" in key or "layer_norm" in key or key.endswith("norm.weight"):
-        return "ones" if leaf == "weight" else "zeros"
-    if leaf == "bias":
-        return "zeros"
-    if "linear_proj" in key or "linear_fc2" in key:
-        return "scaled_normal"
-    return "normal"
-
-
-@torch.no_grad()
-def reinitialize_layout_invariant(model: torch.nn.Module, cfg: PretrainConfig) -> None:
-    """Re-draw every parameter from a generator seeded by (seed, checkpoint key).
-
-    megatron-core's initialisation depends on how layers are spread over ranks, so the
-    same seed gives a different model at PP=2 than at PP=1. Drawing each global tensor
-    from its own key-seeded generator and keeping this rank's shard makes the model
-    identical under every TP/PP/VPP/WeiPipe layout, so runs under different schedules
-    can be compared and switched.
-    """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    std = cfg.model.init_method_std
-    scaled_std = std / math.sqrt(2.0 * cfg.model.num_layers)
-    done = set()
-    for _, sh in _flatten(model.sharded_state_dict()):
-        if not isinstance(sh, ShardedTensor) or not isinstance(sh.data, torch.Tensor):
-            continue
-        if id(sh.data) in done or not sh.data.is_floating_point():
-            continue
-        done.add(id(sh.data))
-        local = sh.data
-        kind = _init_kind(sh.key)
-        if kind == "ones":
-            local.fill_(1.0)
-            continue
-        if kind == "zeros":
-            local.zero_()
-            continue
-        # Stacked layers carry their layer index as leading "prepended" axes.
-        n = sh.prepend_axis_num
-        layer_coords = tuple(sh.global_offset[:n])
-        shape, offsets = sh.global_shape[n:], sh.global_offset[n:]
-        gen = torch.Generator().manual_seed(_key_seed(cfg.training.seed, f"{sh.key}@{layer_coords}"))
-        full = torch.empty(shape, dtype=torch.float32)
-        full.normal_(0.0, scaled_std if kind == "scaled_normal" else std, generator=gen)
-        local_shape = sh.local_shape[-len(shape):] if shape else ()
-        index = tuple(slice(o, o + size) for o, size in zip(offsets, local_shape))
-        local.copy_(full[index].reshape(local.shape).to(local.dtype))
-
-
-def _flatten(d, prefix=""):
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield from _flatten(v, f"{prefix}{k}.")
-    elif isinstance(d, (list, tuple)):
-        for i, v in enumerate(d):
-            yield from _flatten(v, f"{prefix}{i}.")
-    else:
-        yield prefix[:-1], d

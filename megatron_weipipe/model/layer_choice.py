@@ -45,12 +45,17 @@ def _replays_dropout(cfg: PretrainConfig) -> bool:
 
 
 def choose_layers(cfg: PretrainConfig, platform: Platform) -> LayerChoice:
-    """TE when asked for (or ``auto`` and available), unless an unverified path would use it."""
+    """TE when asked for (or ``auto`` and available), unless an unverified path would use it.
+    ``--attention-backend local`` is megatron-core's own attention, so local layers (as
+    Megatron-LM asks for ``--spec local`` with it)."""
     impl = cfg.model.transformer_impl
     available = platform.transformer_engine_available()
+    local_attention = cfg.model.attention_backend == "local"
     if impl == "transformer_engine" and not available:
         raise RuntimeError("--transformer-impl transformer_engine needs transformer-engine and a GPU")
-    wanted = impl == "transformer_engine" or (impl == "auto" and available)
+    if impl == "transformer_engine" and local_attention:
+        raise RuntimeError("--attention-backend local needs local layers: use --transformer-impl local")
+    wanted = impl == "transformer_engine" or (impl == "auto" and available and not local_attention)
     if not wanted or cfg.model.allow_unverified_gpu_paths:
         return LayerChoice(wanted)
     unverified = [path for path, applies in ((WEIPIPE_TE, _weipipe(cfg)), (DROPOUT_REPLAY_TE, _replays_dropout(cfg)))

@@ -92,13 +92,23 @@ def _rotary(cfg: PretrainConfig) -> Optional[RotaryConfig]:
                         rope_scaling=cfg.model.use_rope_scaling, rope_scaling_factor=cfg.model.rope_scaling_factor)
 
 
-def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings):
-    """megatron-core's local GPT layer spec with Ulysses/FPDT attention and (FPDT) chunked MLP and norms."""
+def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings, platform=None):
+    """megatron-core's local GPT layer spec with Ulysses/FPDT attention and (FPDT) chunked MLP and norms.
+
+    The attention runs fpdt's block kernels (flash on a GPU for fp16/bf16, fpdt/kernels.py);
+    the core-attention submodule it still builds (never called) is the platform's, as on
+    the plain local spec, so no layer of the model is megatron-core's unfused attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron_weipipe.model.attention import core_attention_class, requested_backend
+    from megatron_weipipe.platform import detect_platform
+
+    platform = platform or detect_platform()
     spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     attention_spec = spec.submodules.self_attention
     attention_spec.module = _attention_class(settings, _rotary(cfg))
+    attention_spec.submodules.core_attention = core_attention_class(
+        platform.attention_backend(requested_backend(cfg)), platform)
     if settings.fpdt is not None:
         from megatron.core import parallel_state as ps
 
