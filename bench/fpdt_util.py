@@ -108,14 +108,17 @@ def timed(fn, group=None) -> float:
 
     import torch.distributed as dist
 
+    from megatron_weipipe.host_values import all_reduce_values
+    from megatron_weipipe.platform import detect_platform
+
     if group is not None:
         dist.barrier(group)
     t0 = time.perf_counter()
     fn()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    if group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
+    seconds = time.perf_counter() - t0
+    if group is None:
+        return seconds
+    return all_reduce_values([seconds], detect_platform(), group=group, op=dist.ReduceOp.MAX)[0]
 
 
 def rss_bytes() -> int:

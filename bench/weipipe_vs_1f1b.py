@@ -90,6 +90,7 @@ def _rank(rank: int, world: int, a) -> dict:
 
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.data.tokenizers import build_tokenizer
+    from megatron_weipipe.host_values import all_reduce_values
     from megatron_weipipe.initialize import initialize_distributed
     from megatron_weipipe.shape import padded_vocab_size
 
@@ -110,11 +111,11 @@ def _rank(rank: int, world: int, a) -> dict:
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
                 sent[n] = trainers[n].step()
-                dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                wall, proc = all_reduce_values([time.perf_counter() - t0, time.process_time() - c0], ctx.platform,
+                                               op=dist.ReduceOp.MAX)  # the slowest rank's
                 if r > 0:
-                    times[n].append(dt[0].item())
-                    cpu[n].append(dt[1].item())
+                    times[n].append(wall)
+                    cpu[n].append(proc)
         results[seq] = {"times": times, "cpu": cpu, "sent": sent}
         del trainers
     return results

@@ -195,7 +195,7 @@ LAYERS = (
     ("kernels and data", ("fpdt", "data")),
     ("configuration", ("config", "data.config", "fpdt.config", "megatron_compat", "shape", "flags", "errors")),
     ("services", ("platform", "parallel", "byte_counter", "faults", "context", "lazy", "residency",
-                  "mcore_versions")),
+                  "mcore_versions", "host_values")),
 )
 
 

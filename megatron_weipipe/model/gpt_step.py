@@ -58,8 +58,9 @@ def masked_mean_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, cp_g
         loss = total / count.clamp(min=1.0)
         reported = loss.detach()
     loss = maybe_inject_nan(loss)  # test hook (MEGATRON_WEIPIPE_INJECT_NAN); a no-op otherwise
-    if not torch.isfinite(loss.detach()):
-        reported = loss.detach()
+    # A NaN/Inf loss is reported as itself, chosen on the device: a Python `if` on it would
+    # stall the host until the GPU drains, once per microbatch (the iteration end checks).
+    reported = torch.where(torch.isfinite(loss.detach()), reported.detach(), loss.detach())
     return loss, {"lm loss": reported.detach().clone()}
 
 

@@ -33,7 +33,27 @@ def optimizer_config(cfg: PretrainConfig) -> OptimizerConfig:
 
 
 def build_optimizer(cfg: PretrainConfig, model_chunks):
+    use_device_grad_norm()
     return get_megatron_optimizer(optimizer_config(cfg), model_chunks, use_gloo_process_groups=False)
+
+
+def _device_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron-core's ``multi_tensor_l2norm`` contract, on the device: the same per-tensor
+    norms and their norm, with no value read back."""
+    norms = torch.stack([torch.linalg.vector_norm(t) for t in tensor_lists[0]])
+    return torch.linalg.vector_norm(norms).float().reshape(1), None
+
+
+def use_device_grad_norm() -> None:
+    """Without Transformer Engine or apex, megatron-core's gradient norm falls back to
+    ``local_multi_tensor_l2_norm``, which reads every parameter's norm back to the host
+    (``torch.tensor(list_of_device_scalars)``): one GPU sync per parameter per iteration.
+    Replace only that fallback; TE's and apex's fused kernels stay."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if getattr(clip_grads, "l2_norm_impl", None) is getattr(utils, "local_multi_tensor_l2_norm", object()):
+        clip_grads.l2_norm_impl = _device_l2_norm
 
 
 def build_scheduler(cfg: PretrainConfig, optimizer) -> OptimizerParamScheduler:

@@ -17,6 +17,7 @@ from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.context import RunContext
 from megatron_weipipe.data.datasets import build_data_loader, build_train_valid_test_datasets
 from megatron_weipipe.data.tokenizers import build_tokenizer
+from megatron_weipipe.host_values import all_reduce_values
 from megatron_weipipe.initialize import initialize_distributed
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe import faults
@@ -80,33 +81,37 @@ class _ExitSignal:
 
 
 def _reduce_iteration_flags(
-    groups: ParallelGroups, loss_values: list[float], contributes: bool, flags: list[float], checks: bool = False
+    ctx: RunContext, losses: list[torch.Tensor], contributes: bool, flags: list[float], checks: bool = False
 ) -> tuple[float, float, int, list[float]]:
     """One all-reduce per iteration: sum and count of the finite losses, bad-loss count, exit flags.
 
     The logged loss comes from the ``contributes`` ranks (one per replica); NaN/Inf is
     looked for on every rank that ``checks`` (has a loss: each tensor and context rank
-    holds its own share of it).
+    holds its own share of it). The per-microbatch losses stay on the device; the one
+    ``.tolist()`` of the reduced vector is this iteration's host sync (host_values.py).
     """
-    total = sum(v for v in loss_values if math.isfinite(v)) if contributes else 0.0
-    count = float(sum(1 for v in loss_values if math.isfinite(v))) if contributes else 0.0
-    bad = float(sum(1 for v in loss_values if not math.isfinite(v))) if checks else 0.0
-    vec = torch.tensor([total, count, bad, *flags], dtype=torch.float64)
-    dist.all_reduce(vec)
-    return vec[0].item(), vec[1].item(), int(vec[2].item()), vec[3:].tolist()
+    device = ctx.platform.collective_device()
+    stacked = torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64) for v in losses]) \
+        if losses else torch.zeros(0, dtype=torch.float64, device=device)
+    finite = torch.isfinite(stacked)
+    none = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.where(finite, stacked, 0.0).sum() if contributes else none
+    count = finite.sum(dtype=torch.float64) if contributes else none
+    bad = (~finite).sum(dtype=torch.float64) if checks else none
+    reduced = all_reduce_values([total, count, bad, *flags], ctx.platform)
+    return reduced[0], reduced[1], int(reduced[2]), reduced[3:]
 
 
-def _first_bad_microbatch(loss_values: list[float], contributes: bool) -> tuple[int, int]:
-    """(global rank, microbatch) of the first NaN/Inf loss anywhere."""
+def _first_bad_microbatch(ctx: RunContext, losses: list[torch.Tensor], contributes: bool) -> tuple[int, int]:
+    """(global rank, microbatch) of the first NaN/Inf loss anywhere (only after one was seen)."""
     code = 1 << 60
     if contributes:
-        for i, v in enumerate(loss_values):
+        for i, v in enumerate(torch.stack([v.detach().reshape(()) for v in losses]).tolist() if losses else []):
             if not math.isfinite(v):
                 code = dist.get_rank() * 1_000_000 + i
                 break
-    t = torch.tensor([code], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item()) // 1_000_000, int(t.item()) % 1_000_000
+    (first,) = all_reduce_values([code], ctx.platform, op=dist.ReduceOp.MIN)
+    return int(first) // 1_000_000, int(first) % 1_000_000
 
 
 def _optimizer_step(optimizer, clip_grad: float):
@@ -131,8 +136,9 @@ def _microbatches(iterator, n: int) -> list[dict]:
     return [next(iterator) for _ in range(n)]
 
 
-def _loss_values(result) -> list[float]:
-    return [float(d["lm loss"]) for d in result.losses]
+def _loss_values(result) -> list[torch.Tensor]:
+    """This rank's per-microbatch lm losses, where they are (no read-back)."""
+    return [d["lm loss"] for d in result.losses]
 
 
 def evaluate(
@@ -153,7 +159,7 @@ def evaluate(
             values += _loss_values(result)
     for chunk in schedule.model_chunks:
         chunk.train()
-    total, count, _, _ = _reduce_iteration_flags(groups, values, contributes, [])
+    total, count, _, _ = _reduce_iteration_flags(schedule.ctx, values, contributes, [])
     return total / count if count else None
 
 
@@ -302,13 +308,13 @@ def _pretrain(cfg, ctx: RunContext, model_provider, forward_step, datasets_provi
                 t.exit_duration_in_mins is not None and (time.time() - start_time) / 60.0 > t.exit_duration_in_mins
             )
             total, count, bad, (sig, dur) = _reduce_iteration_flags(
-                groups, values, contributes, [float(exit_signal.received), float(timed_out and dist.get_rank() == 0)],
+                ctx, values, contributes, [float(exit_signal.received), float(timed_out and dist.get_rank() == 0)],
                 checks=result.has_loss,
             )
             faults.set_phase("optimizer step", state.iteration + 1)
             stepped, grad_norm = False, None
             if bad:
-                rank, mb = _first_bad_microbatch(values, result.has_loss)
+                rank, mb = _first_bad_microbatch(ctx, values, result.has_loss)
                 msg = (
                     f"NaN/Inf lm loss at iteration {state.iteration + 1} on rank {rank}, "
                     f"microbatch {mb} of that rank"
