@@ -17,6 +17,7 @@ import torch
 
 from harness import run_distributed
 from harness.runs import tiny_gpt_args
+from harness.state import _flatten
 
 # Shapes whose TP=2 shards cut no tile (column shards: multiples of 128 rows, row shards: of
 # 256 columns): 4 layers, hidden 512, FFN 1024, SwiGLU (fc1 saved as gate and up halves),
@@ -134,17 +135,6 @@ def test_uncovered_parameter_is_an_error():
 
 
 # ---- the real model under TP=1, TP=2 and PP=2 ---------------------------------------------
-
-
-def _flatten(d):
-    if isinstance(d, dict):
-        for v in d.values():
-            yield from _flatten(v)
-    elif isinstance(d, (list, tuple)):
-        for v in d:
-            yield from _flatten(v)
-    else:
-        yield d
 
 
 def _shards(model) -> dict:
