@@ -17,7 +17,7 @@ import torch
 
 from harness import run_distributed
 from harness.runs import tiny_gpt_args
-from harness.state import _flatten
+from megatron_weipipe.model.init import sharded_leaves
 
 # Shapes whose TP=2 shards cut no tile (column shards: multiples of 128 rows, row shards: of
 # 256 columns): 4 layers, hidden 512, FFN 1024, SwiGLU (fc1 saved as gate and up halves),
@@ -143,8 +143,8 @@ def _shards(model) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     out = {}
-    for entry in _flatten(model.sharded_state_dict()):
-        pieces = list(_flatten(entry.build())) if isinstance(entry, ShardedTensorFactory) else [entry]
+    for entry in sharded_leaves(model.sharded_state_dict()):
+        pieces = list(sharded_leaves(entry.build())) if isinstance(entry, ShardedTensorFactory) else [entry]
         for sh in pieces:
             if not isinstance(sh, ShardedTensor) or not sh.data.is_floating_point():
                 continue

@@ -13,6 +13,8 @@ chunk pair, and the document squares inside it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from collections import Counter
 
@@ -139,7 +141,7 @@ def reduce_kv(dk: torch.Tensor, groups: int) -> torch.Tensor:
     return dk if groups == 1 else dk.unflatten(1, (dk.shape[1] // groups, groups)).sum(dim=2)
 
 
-class GroupedKernel:
+class GroupedKernel(ABC):
     """Base of the fused kernels: GQA handled once here, the op called on equal heads.
 
     Subclasses give ``_forward``/``_backward`` for q and K/V of equal head counts (or of
@@ -169,11 +171,13 @@ class GroupedKernel:
         """Does the op group query heads over fewer K/V heads itself (for q's dtype and head_dim)?"""
         return False
 
+    @abstractmethod
     def _forward(self, q, k, v, causal: bool, scale: float):
-        raise NotImplementedError
+        """(out, lse) of the op for equal head counts (or grouped ones, see native_gqa_for)."""
 
+    @abstractmethod
     def _backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
-        raise NotImplementedError
+        """(dq, dk, dv) of the op, given the final out and lse."""
 
     def forward(self, q, k, v, causal: bool, scale: float):
         self._check_causal(q, k, causal)

@@ -113,13 +113,14 @@ def draw_shard(local: torch.Tensor, *, seed: int, key: str, layer_coords: tuple,
     stats.elements_filled += local.numel()
 
 
-def _flatten(d) -> Iterator:
+def sharded_leaves(d) -> Iterator:
+    """The leaves of a (sharded) state dict: nested dicts, lists and tuples walked in order."""
     if isinstance(d, dict):
         for v in d.values():
-            yield from _flatten(v)
+            yield from sharded_leaves(v)
     elif isinstance(d, (list, tuple)):
         for v in d:
-            yield from _flatten(v)
+            yield from sharded_leaves(v)
     else:
         yield d
 
@@ -130,11 +131,11 @@ def _sharded_tensors(model: torch.nn.Module) -> Iterator[tuple[torch.Tensor, lis
     is built into its pieces, views of the parameter."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    for entry in _flatten(model.sharded_state_dict()):
+    for entry in sharded_leaves(model.sharded_state_dict()):
         if isinstance(entry, ShardedTensor) and isinstance(entry.data, torch.Tensor):
             yield entry.data, [entry]
         elif isinstance(entry, ShardedTensorFactory) and isinstance(entry.data, torch.Tensor):
-            pieces = [p for p in _flatten(entry.build()) if isinstance(p, ShardedTensor)]
+            pieces = [p for p in sharded_leaves(entry.build()) if isinstance(p, ShardedTensor)]
             if sum(p.data.numel() for p in pieces) != entry.data.numel():
                 raise RuntimeError(f"{entry.key}: the factory's pieces do not cover its tensor")
             yield entry.data, pieces

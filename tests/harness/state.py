@@ -12,18 +12,9 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from megatron_weipipe.model.init import sharded_leaves
+
 Shard = tuple[tuple[int, ...], tuple[int, ...], np.ndarray]  # (global shape, offsets, data)
-
-
-def _flatten(d):
-    if isinstance(d, dict):
-        for v in d.values():
-            yield from _flatten(v)
-    elif isinstance(d, (list, tuple)):
-        for v in d:
-            yield from _flatten(v)
-    else:
-        yield d
 
 
 def _grad_of(param: torch.Tensor):
@@ -40,7 +31,7 @@ def local_shards(model_chunks: Iterable[torch.nn.Module], what: str = "param") -
     out: dict[str, list[Shard]] = {}
     for chunk in map(unwrap, model_chunks):
         params = {p.data_ptr(): p for p in chunk.parameters()}
-        for sh in _flatten(chunk.sharded_state_dict()):
+        for sh in sharded_leaves(chunk.sharded_state_dict()):
             if not isinstance(sh, ShardedTensor) or not isinstance(sh.data, torch.Tensor):
                 continue
             if not sh.data.is_floating_point():
