@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_weipipe.fpdt.attention import fpdt_attention, ulysses_attention
+from megatron_weipipe.fpdt.chunked_attention import fpdt_attention, ulysses_attention
 from megatron_weipipe.fpdt.config import AttentionSpec, FPDTConfig, RotaryConfig
 from megatron_weipipe.fpdt.mlp import chunked_mlp, reference_mlp
 from megatron_weipipe.fpdt.offload import HostBufferPool, OffloadStats

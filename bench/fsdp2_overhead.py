@@ -55,7 +55,7 @@ def measure(a) -> dict:
 
     import netns
 
-    from megatron_weipipe.schedules.plan import measured
+    from megatron_weipipe.schedules.timing import measured
 
     with tempfile.TemporaryDirectory(prefix="fsdp2_overhead") as work:
         jobs = []

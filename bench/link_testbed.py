@@ -177,7 +177,7 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> tuple[list[dict
 
 
 def collect(preset, seqs, a, jobs, per_rank, skipped) -> list[dict]:
-    from megatron_weipipe.schedules.plan import measured
+    from megatron_weipipe.schedules.timing import measured
 
     runs = {}  # (seq, name) -> list over rounds of measures
     for job in jobs:

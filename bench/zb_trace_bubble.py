@@ -3,7 +3,7 @@
 Each (schedule, G, round) is one `torchrun --nproc-per-node 2 pretrain_gpt.py
 --pipeline-schedule S --schedule-trace DIR` (a ring of P=2, each rank pinned to its own
 core by bench/_pinned_rank.py, OMP_NUM_THREADS=1), rounds rotating the order of the
-schedules. From the traces (plan/measured.py; every iteration but the first, optimizer
+schedules. From the traces (timing/measured.py; every iteration but the first, optimizer
 step excluded): the measured bubble, the mean iteration time, the mean cost of each
 compute kind, and the planned bubble, which is the simulator on the schedule's plan at
 those measured costs. The zb / interleave ratio of iteration times is taken per round
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from megatron_weipipe.schedules.plan import measured  # noqa: E402
+from megatron_weipipe.schedules.timing import measured  # noqa: E402
 from schedule_timeline import planned_from_trace  # noqa: E402
 
 SCHEDULES = ("weipipe-interleave", "weipipe-zb")

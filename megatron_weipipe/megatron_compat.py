@@ -33,7 +33,7 @@ def _refused(why: str, default=None, **kw):
 
 @dataclass
 class MegatronCompatConfig:
-    # --- accepted: _honoured ones take effect (model/attention.py, model/gpt.py), _noop ones do not
+    # --- accepted: _honoured ones take effect (model/sdpa_attention.py, model/gpt.py), _noop ones do not
     use_mcore_models: bool = _noop("the model is always megatron-core's GPTModel")
     use_flash_attn: bool = _honoured("--attention-backend auto becomes flash (Transformer Engine: its "
                                      "flash-attention only; local layers: torch's fused SDPA, as auto already is)")

@@ -77,7 +77,7 @@ class Platform:
 
         ``auto`` is ``flash`` on every host: torch's fused scaled-dot-product attention
         (memory linear in the sequence; on a GPU restricted to its flash, cuDNN and
-        memory-efficient kernels, model/attention.py). ``unfused`` / ``local`` keep
+        memory-efficient kernels, model/sdpa_attention.py). ``unfused`` / ``local`` keep
         megatron-core's DotProductAttention, which holds the [b, heads, s, s] scores.
         Transformer Engine layers get the requested value itself (model/gpt.py passes it
         to megatron-core, which maps it to TE's NVTE_*_ATTN choice).

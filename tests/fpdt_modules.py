@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megatron_weipipe.fpdt.attention import fpdt_attention
+from megatron_weipipe.fpdt.chunked_attention import fpdt_attention
 from megatron_weipipe.fpdt.config import AttentionSpec, FPDTConfig
 from megatron_weipipe.fpdt.mlp import ACTIVATIONS, chunked_mlp
 from megatron_weipipe.fpdt.offload import HostBufferPool, OffloadStats

@@ -39,7 +39,7 @@ def _compare(rank, world, cases):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_weipipe.model.attention import SDPACoreAttention
+    from megatron_weipipe.model.sdpa_attention import SDPACoreAttention
     from megatron_weipipe.platform import install_cpu_adapter
 
     install_cpu_adapter()
@@ -115,7 +115,7 @@ def test_sdpa_matches_megatron_core_attention():
 def test_platform_selects_the_core_attention(requested, cpu):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_weipipe.model.attention import SDPACoreAttention, core_attention_class
+    from megatron_weipipe.model.sdpa_attention import SDPACoreAttention, core_attention_class
     from megatron_weipipe.platform import Platform
 
     assert Platform("cpu", "gloo").attention_backend(requested) == cpu

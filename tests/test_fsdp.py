@@ -180,7 +180,7 @@ def test_fsdp_bytes_follow_the_shard_arithmetic(world2, name, microbatches, gath
     backward (recomputation included), and reduce-scattered; each sends (N-1) shards,
     N=2 here. Under --bf16 the all-gathers move bf16 (2 bytes a parameter), the
     reduce-scatters fp32 (4)."""
-    from megatron_weipipe.schedules.train.fsdp import fsdp_bytes
+    from megatron_weipipe.model.fsdp import fsdp_bytes
 
     result = world2[name][0]
     per_unit: dict[str, int] = {}

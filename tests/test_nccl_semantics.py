@@ -1,5 +1,5 @@
-"""The schedules under NCCL's point-to-point rules (plan/nccl.py), on the programs the
-runtime posts (plan/posts.py): today's receive-first order deadlocks at a ring of 2, the
+"""The schedules under NCCL's point-to-point rules (check/nccl.py), on the programs the
+runtime posts (ir/posts.py): today's receive-first order deadlocks at a ring of 2, the
 runtime's order and the grouped order pass for every schedule, and the walker catches
 what NCCL would pair differently from the tags."""
 
@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 
 import check_schedules
-from megatron_weipipe.schedules.plan import ScheduleError, build, generate, validate
-from megatron_weipipe.schedules.plan.actions import Action, Flow, Kind, Schedule
-from megatron_weipipe.schedules.plan.nccl import nccl_walk
-from megatron_weipipe.schedules.plan.posts import Post, programs, rank_posts
+from megatron_weipipe.schedules.ir.actions import ScheduleError
+from megatron_weipipe.schedules.generate.megatron_timeline import build
+from megatron_weipipe.schedules.generate.weipipe import generate
+from megatron_weipipe.schedules.check.validate import validate
+from megatron_weipipe.schedules.ir.actions import Action, Flow, Kind, Schedule
+from megatron_weipipe.schedules.check.nccl import nccl_walk
+from megatron_weipipe.schedules.ir.posts import Post, programs, rank_posts
 
 
 def test_receive_first_deadlocks_at_a_ring_of_two():

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_weipipe import residency
-from megatron_weipipe.fpdt.attention import fpdt_attention
+from megatron_weipipe.fpdt.chunked_attention import fpdt_attention
 from megatron_weipipe.fpdt.config import AttentionSpec, FPDTConfig
 from megatron_weipipe.fpdt.offload import HostBufferPool
 

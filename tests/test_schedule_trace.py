@@ -1,4 +1,4 @@
-"""Measured busy, idle and bubble from per-action traces (plan/measured.py and
+"""Measured busy, idle and bubble from per-action traces (timing/measured.py and
 tools/schedule_timeline.py --from-trace), on hand-made traces with known answers. The
 end-to-end check (real runs writing traces) is test_weipipe_gpt_parity.py's
 test_schedule_trace_has_every_action_of_the_plan."""
@@ -11,7 +11,7 @@ import os
 import pytest
 import schedule_timeline  # tools/
 
-from megatron_weipipe.schedules.plan.measured import TraceError, between_iterations_s, load, measure
+from megatron_weipipe.schedules.timing.measured import TraceError, between_iterations_s, load, measure
 
 
 def _event(name, cat, ts, dur, it, **args):
@@ -97,7 +97,7 @@ def test_bad_trace_directory_is_one_line_exit_2(tmp_path, capsys):
 def test_tracer_appends_and_the_file_stays_valid_json(tmp_path):
     """ActionTracer writes the JSON array format, appending per iteration; load() reads
     it back with the last metadata."""
-    from megatron_weipipe.schedules.plan import generate
+    from megatron_weipipe.schedules.generate.weipipe import generate
     from megatron_weipipe.schedules.runtime.trace import ActionTracer
 
     tracer = ActionTracer(str(tmp_path), 3, "weipipe-zb", {"pipeline_size": 2, "num_microbatches": 2})
@@ -198,7 +198,7 @@ def _traced_schedule_on_fake_gpu(tmp_path, monkeypatch, gpu):
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.context import RunContext
     from megatron_weipipe.platform import Platform
-    from megatron_weipipe.schedules.train.base import TrainSchedule
+    from megatron_weipipe.schedules.gpt.base import TrainSchedule
 
     class Traced(TrainSchedule):
         def build_model(self, model_provider):
@@ -225,7 +225,7 @@ def _at(times):
 
 def _rank0_actions():
     """Rank 0's action list of weipipe-zb, P = 2, G = 1 (the traced schedule's plan)."""
-    from megatron_weipipe.schedules.plan import generate
+    from megatron_weipipe.schedules.generate.weipipe import generate
 
     return generate("weipipe-zb", 2, 1).actions(0)
 
@@ -333,7 +333,7 @@ def test_readers_refuse_mixed_clocks_and_warn_about_host_time_on_cuda(tmp_path, 
     """GPU defect guarded: a directory (or a calibration's runs) mixing host-timed and
     CUDA-event-timed ranks compares launch times with kernel times; a CUDA run traced with
     host time (events unusable: the fallback) is no GPU calibration and says so."""
-    from megatron_weipipe.schedules.plan.measured import same_clock
+    from megatron_weipipe.schedules.timing.measured import same_clock
 
     _two_ranks(str(tmp_path))
     _write(str(tmp_path), 1, [_event("iteration", "iteration", 0, 10, 1)], clock="cuda_event")

@@ -8,9 +8,11 @@ import shlex
 
 import pytest
 
-from megatron_weipipe.schedules.plan import megatron_timeline, simulate, validate
-from megatron_weipipe.schedules.plan.actions import Action, Kind, ScheduleError
-from megatron_weipipe.schedules.plan.zb_h1 import zb_h1_timeline
+from megatron_weipipe.schedules.generate.megatron_timeline import megatron_timeline
+from megatron_weipipe.schedules.timing.tick_simulator import simulate
+from megatron_weipipe.schedules.check.validate import validate
+from megatron_weipipe.schedules.ir.actions import Action, Kind, ScheduleError
+from megatron_weipipe.schedules.generate.zb_h1 import zb_h1_timeline
 from megatron_weipipe.simulator import baselines
 from megatron_weipipe.simulator.cli import costs_for, main, parse_command
 from megatron_weipipe.simulator.hardware import LINKS, shared_link
@@ -130,7 +132,7 @@ def test_fsdp_fixed_costs_are_paid_per_unit_and_pass():
 
 
 def test_fsdp_kind_is_the_trainers():
-    from megatron_weipipe.schedules.train.fsdp import FSDP_KIND
+    from megatron_weipipe.model.fsdp import FSDP_KIND
 
     assert baselines.FSDP_KIND == FSDP_KIND
 

@@ -7,16 +7,16 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_weipipe.schedules.plan.timeline import build
-from megatron_weipipe.schedules.plan.actions import Kind
-from megatron_weipipe.schedules.plan.metrics import expected_bubble
-from megatron_weipipe.schedules.plan.simulate import DEFAULT_COSTS, simulate
+from megatron_weipipe.schedules.generate.megatron_timeline import build
+from megatron_weipipe.schedules.ir.actions import Kind
+from megatron_weipipe.schedules.timing.closed_forms import expected_bubble
+from megatron_weipipe.schedules.timing.tick_simulator import DEFAULT_COSTS, simulate
 from megatron_weipipe.simulator.calibration import ChunkTimes
 from megatron_weipipe.simulator.costs import CostModel
-from megatron_weipipe.simulator.errors import SimulatorError
-from megatron_weipipe.simulator.events import EventModel, replay
+from megatron_weipipe.errors import SimulatorError
+from megatron_weipipe.simulator.cluster_replay import EventModel, replay
 from megatron_weipipe.simulator.hardware import Cluster, DEVICES, LinkSpec
-from megatron_weipipe.simulator.layout import Layout
+from megatron_weipipe.simulator.rank_order import Layout
 from megatron_weipipe.simulator.project import simulate_run
 from megatron_weipipe.simulator.run_spec import RunSpec
 from megatron_weipipe.shape import ModelShape
@@ -80,7 +80,7 @@ def test_a_transfer_costs_latency_plus_bytes_over_bandwidth():
 
 
 def test_a_token_bucket_passes_what_it_saved_at_once():
-    from megatron_weipipe.schedules.plan.events import TokenBucket
+    from megatron_weipipe.schedules.timing.replay import TokenBucket
 
     b = TokenBucket(rate=1e6, depth=1e5)  # 1 MB/s, 100 kB bucket, full at the start
     assert b.seconds(0.0, 3e5) == pytest.approx(0.2)  # 100 kB at once, 200 kB at the rate

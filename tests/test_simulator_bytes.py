@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_weipipe.schedules.plan.actions import Flow
-from megatron_weipipe.schedules.plan.metrics import expected_messages
+from megatron_weipipe.schedules.ir.actions import Flow
+from megatron_weipipe.schedules.timing.closed_forms import expected_messages
 from megatron_weipipe.simulator import collectives
 from megatron_weipipe.simulator.calibration import ChunkTimes
 from megatron_weipipe.simulator.costs import CostModel
 from megatron_weipipe.simulator.hardware import DEVICES, Cluster, LinkSpec
-from megatron_weipipe.simulator.layout import Layout
+from megatron_weipipe.simulator.rank_order import Layout
 from megatron_weipipe.simulator.project import FLAGS_BYTES, NORM_BYTES, counter_bytes, simulate_run
 from megatron_weipipe.simulator.run_spec import RunSpec
 from megatron_weipipe.shape import ModelShape

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_weipipe.schedules.plan.timeline import build
-from megatron_weipipe.schedules.plan.actions import Kind
+from megatron_weipipe.schedules.generate.megatron_timeline import build
+from megatron_weipipe.schedules.ir.actions import Kind
 from host_calibration import calibrate
 from megatron_weipipe.simulator.calibration import ChunkTimes, HostCalibration
 from megatron_weipipe.simulator.costs import from_calibration, scale_chunk

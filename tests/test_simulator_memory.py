@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_weipipe.schedules.plan.timeline import build
+from megatron_weipipe.schedules.generate.megatron_timeline import build
 from megatron_weipipe.simulator import memory
 from host_calibration import pretrain_config_for, single_process_megatron
-from megatron_weipipe.simulator.layout import Layout
+from megatron_weipipe.simulator.rank_order import Layout
 from megatron_weipipe.simulator.run_spec import RunSpec
 from megatron_weipipe.shape import ModelShape
 
@@ -35,7 +35,7 @@ def _measure(shape: ModelShape, dropout: float, backend: str = "unfused") -> dic
     from megatron.core.distributed import DistributedDataParallel
 
     from megatron_weipipe.model.gpt import build_gpt_model
-    from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
+    from megatron_weipipe.schedules.gpt.megatron_schedules import ddp_config
     from megatron_weipipe.training.optimizer import build_optimizer
 
     cfg = pretrain_config_for(shape, shape.num_layers)

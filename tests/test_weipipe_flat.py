@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from megatron_weipipe.schedules.runtime.flat import FlatLayout
+from megatron_weipipe.schedules.runtime.flat import FlatViews
 
 
 def _chunk(seed):
@@ -17,7 +17,7 @@ def _chunk(seed):
 
 def test_views_share_storage_and_gradients_land_in_the_flat_vector():
     m = _chunk(0)
-    layout = FlatLayout.from_module(m)
+    layout = FlatViews.from_module(m)
     assert layout.numel == sum(p.numel() for p in m.parameters())
     flat = layout.flatten(m).requires_grad_()
     x = torch.randn(3, 4)
@@ -32,7 +32,7 @@ def test_views_share_storage_and_gradients_land_in_the_flat_vector():
 
 def test_load_into_round_trips_and_bad_shapes_are_refused():
     a, b = _chunk(0), _chunk(1)
-    layout = FlatLayout.from_module(a)
+    layout = FlatViews.from_module(a)
     layout.load_into(b, layout.flatten(a))
     torch.testing.assert_close(layout.flatten(b), layout.flatten(a))
     with pytest.raises(ValueError, match="layout needs"):
@@ -40,4 +40,4 @@ def test_load_into_round_trips_and_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="missing"):
         layout.flatten({"0.weight": torch.zeros(4)})
     with pytest.raises(ValueError, match="no parameters"):
-        FlatLayout.from_module(nn.Tanh())
+        FlatViews.from_module(nn.Tanh())

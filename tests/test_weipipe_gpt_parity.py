@@ -18,8 +18,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from megatron_weipipe.schedules.plan.actions import Flow
-from megatron_weipipe.schedules.plan.metrics import expected_messages
+from megatron_weipipe.schedules.ir.actions import Flow
+from megatron_weipipe.schedules.timing.closed_forms import expected_messages
 from harness import run_distributed
 from harness.state import max_relative_difference
 from megatron_weipipe.training.metrics import format_bytes
@@ -258,8 +258,8 @@ def test_schedule_trace_has_every_action_of_the_plan():
     import sys
     from collections import Counter
 
-    from megatron_weipipe.schedules.plan import generate
-    from megatron_weipipe.schedules.plan.measured import load, measure
+    from megatron_weipipe.schedules.generate.weipipe import generate
+    from megatron_weipipe.schedules.timing.measured import load, measure
 
     _world(2)  # the runs that write the traces
     plan = generate("weipipe-zb", 2, 3)

@@ -18,8 +18,8 @@ import pytest
 
 from harness import run_distributed
 from harness.state import max_relative_difference
-from megatron_weipipe.schedules.plan import generate
-from megatron_weipipe.schedules.plan.actions import Kind
+from megatron_weipipe.schedules.generate.weipipe import generate
+from megatron_weipipe.schedules.ir.actions import Kind
 
 from test_weipipe_gpt_common import RTOL, WEIPIPE, argv, assert_matches, merge, train
 
@@ -49,7 +49,7 @@ def _install_recorders() -> None:
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
     from megatron_weipipe.schedules.runtime import ring
-    from megatron_weipipe.schedules.train.weipipe import schedule as weipipe_schedule
+    from megatron_weipipe.schedules.gpt.weipipe import schedule as weipipe_schedule
 
     if _SEEN.get("installed"):
         return
@@ -243,7 +243,7 @@ def test_mixed_bucket_is_reduced_after_the_schedule(caplog):
 
     import torch
 
-    from megatron_weipipe.schedules.train.weipipe.grad_sync import _split_bucket_groups, owned_bucket_size
+    from megatron_weipipe.schedules.gpt.weipipe.grad_sync import _split_bucket_groups, owned_bucket_size
 
     own = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5)]
     rep = [torch.nn.Parameter(torch.zeros(7))]

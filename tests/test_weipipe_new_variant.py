@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_weipipe.schedules import registry
-from megatron_weipipe.schedules.plan.actions import COMPUTE_KINDS, Kind
-from megatron_weipipe.schedules.plan.builder import Compute, Plan
-from megatron_weipipe.schedules.plan.weipipe_interleave import grid
+from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Kind
+from megatron_weipipe.schedules.generate.builder import Compute, Plan
+from megatron_weipipe.schedules.generate.weipipe_interleave import grid
 
 NAME = "weipipe-fwd-first"
 
@@ -42,7 +42,8 @@ def variant(monkeypatch):
 
 
 def test_unregistered_variant_is_unknown():
-    from megatron_weipipe.schedules.plan import ScheduleError, generate
+    from megatron_weipipe.schedules.ir.actions import ScheduleError
+    from megatron_weipipe.schedules.generate.weipipe import generate
 
     with pytest.raises(ScheduleError, match="unknown WeiPipe schedule"):
         generate(NAME, 2, 1)
@@ -50,7 +51,10 @@ def test_unregistered_variant_is_unknown():
 
 @pytest.mark.parametrize("P,G", [(2, 1), (3, 2), (4, 3), (6, 2)])
 def test_variant_generates_validates_and_simulates(variant, P, G):
-    from megatron_weipipe.schedules.plan import build, generate, simulate, validate
+    from megatron_weipipe.schedules.generate.megatron_timeline import build
+    from megatron_weipipe.schedules.generate.weipipe import generate
+    from megatron_weipipe.schedules.timing.tick_simulator import simulate
+    from megatron_weipipe.schedules.check.validate import validate
 
     assert variant in registry.weipipe_names() and variant in registry.plan_names()
     s = generate(variant, P, G)
@@ -77,7 +81,7 @@ def _compute(actions) -> list:
 
 def test_variant_start_up_rules_and_training_class(variant):
     from megatron_weipipe.config import ConfigError
-    from megatron_weipipe.schedules.train.weipipe import WeiPipeSchedule
+    from megatron_weipipe.schedules.gpt.weipipe import WeiPipeSchedule
 
     def cfg(pp):
         return SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=pp,

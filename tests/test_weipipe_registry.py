@@ -28,8 +28,10 @@ def test_registry_plan_and_rules_import_without_torch():
         "import sys\n"
         "from types import SimpleNamespace as N\n"
         "from megatron_weipipe.schedules import registry\n"
-        "import megatron_weipipe.schedules.plan, megatron_weipipe.schedules.plan.rules\n"
-        "from megatron_weipipe.schedules.plan import build, validate, simulate\n"
+        "import megatron_weipipe.schedules.check.rules\n"
+        "from megatron_weipipe.schedules.generate.megatron_timeline import build\n"
+        "from megatron_weipipe.schedules.check.validate import validate\n"
+        "from megatron_weipipe.schedules.timing.tick_simulator import simulate\n"
         "for name in registry.plan_names():\n"
         "    validate(build(name, 2, 2)); simulate(build(name, 2, 2))\n"
         "for pp, vpp, name in [(1, None, None), (2, None, None), (2, 1, None), (2, None, 'weipipe-zb')]:\n"
@@ -94,7 +96,7 @@ def test_rules_refuse_with_their_sentence(cfg, message):
 
 def test_each_name_leads_to_its_training_class_and_rules():
     from megatron_weipipe.config import ConfigError
-    from megatron_weipipe.schedules.train.base import TrainSchedule
+    from megatron_weipipe.schedules.gpt.base import TrainSchedule
 
     # PP=1 without virtual stages: only none and 1f1b can run it
     refused_at_pp1 = {"interleaved", *registry.weipipe_names()}

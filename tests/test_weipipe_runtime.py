@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from megatron_weipipe.schedules.plan import generate
-from megatron_weipipe.schedules.plan.metrics import expected_messages
+from megatron_weipipe.schedules.generate.weipipe import generate
+from megatron_weipipe.schedules.timing.closed_forms import expected_messages
 from megatron_weipipe.schedules.registry import weipipe_names
-from megatron_weipipe.schedules.runtime.flat import FlatLayout
+from megatron_weipipe.schedules.runtime.flat import FlatViews
 from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
 from harness import run_distributed
 
@@ -68,7 +68,7 @@ def reference(P: int, G: int):
     """Single process: per step, all G*P microbatches through the full model, gradients
     summed, plain SGD. Returns per-step losses, step-1 gradients and final parameters."""
     template = make_chunk(0)
-    layout = FlatLayout.from_module(template)
+    layout = FlatViews.from_module(template)
     flats = [layout.flatten(make_chunk(1000 + c)).requires_grad_() for c in range(P)]
     emb, head = make_replicated()
     params = list(emb.parameters()) + list(head.parameters())
@@ -100,7 +100,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _train_ring(name, G, recompute, ring_group, ring_rank, P, data_offset=0):
     """What a training loop does around the runtime, for one ring."""
     template = make_chunk(0)
-    layout = FlatLayout.from_module(template)
+    layout = FlatViews.from_module(template)
     master = layout.flatten(make_chunk(1000 + ring_rank))  # only the owned chunk lives here
     emb, head = make_replicated()
     replicated = list(emb.parameters()) + list(head.parameters())
@@ -155,7 +155,7 @@ def _configs(P):
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_runtime_matches_single_process_reference(P):
     reports = run_distributed(_parity_worker, P, _configs(P), timeout=240)
-    numel = FlatLayout.from_module(make_chunk(0)).numel
+    numel = FlatViews.from_module(make_chunk(0)).numel
     for rank, report in enumerate(reports):
         for (name, G, recompute), errs, counter in report:
             for key, err in errs.items():
@@ -175,7 +175,7 @@ def _two_rings_worker(rank, world_size):
     ring_rank = dist.get_rank(ring)
     P, G = 2, 2
     template = make_chunk(0)
-    layout = FlatLayout.from_module(template)
+    layout = FlatViews.from_module(template)
     master = layout.flatten(make_chunk(1000 + ring_rank))
     emb, head = make_replicated()
     rt = WeiPipeRuntime(generate("weipipe-zb", P, G), ring_group=ring, chunk_template=template)
@@ -194,7 +194,7 @@ def test_two_data_parallel_rings_match_reference():
     # the reference over both rings' data is the P=2 reference with 2*G microbatches per rank,
     # reordered: ring k's rank r holds global microbatches k*P*G + r*G + m
     template = make_chunk(0)
-    layout = FlatLayout.from_module(template)
+    layout = FlatViews.from_module(template)
     flats = [layout.flatten(make_chunk(1000 + c)).requires_grad_() for c in range(2)]
     emb, head = make_replicated()
     for gm in range(8):
@@ -212,14 +212,14 @@ def _options_worker(rank, world_size):
     loaded into bwd_weights leaves the losses exact and breaks the gradients, with and
     without recomputation. (b) bf16 compute / bf16 gradient messages run, stay close to
     the reference, and the byte counter sees 2-byte elements."""
-    from megatron_weipipe.schedules.plan.actions import Flow
+    from megatron_weipipe.schedules.ir.actions import Flow
     from megatron_weipipe.schedules.runtime import ring as rt_mod
 
     P, G = world_size, 2
     ring = dist.new_group(list(range(P)))
     ref_losses, (ref_chunk_grads, _), _ = reference(P, G)
     template = make_chunk(0)
-    layout = FlatLayout.from_module(template)
+    layout = FlatViews.from_module(template)
     emb, head = make_replicated()
     mbs = [microbatch(0, rank * G + m) for m in range(G)]
     out = {}
@@ -281,7 +281,7 @@ def _options_worker(rank, world_size):
 @pytest.mark.distributed
 def test_backward_weights_are_used_and_low_precision_options():
     P, G = 2, 2
-    numel = FlatLayout.from_module(make_chunk(0)).numel
+    numel = FlatViews.from_module(make_chunk(0)).numel
     for rank, out in enumerate(run_distributed(_options_worker, P, timeout=120)):
         for recompute in (False, True):
             loss_err, grad_err = out[f"skewed_recompute={recompute}"]

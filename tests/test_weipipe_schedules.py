@@ -9,8 +9,10 @@ from fractions import Fraction
 import pytest
 
 from megatron_weipipe.schedules import registry
-from megatron_weipipe.schedules.plan import Flow, Kind, ScheduleError, generate, validate
-from megatron_weipipe.schedules.plan.metrics import (
+from megatron_weipipe.schedules.ir.actions import Flow, Kind, ScheduleError
+from megatron_weipipe.schedules.generate.weipipe import generate
+from megatron_weipipe.schedules.check.validate import validate
+from megatron_weipipe.schedules.timing.closed_forms import (
     bubble_fraction,
     expected_bubble,
     expected_messages,
@@ -22,8 +24,8 @@ from megatron_weipipe.schedules.plan.metrics import (
     traffic,
     weipipe_message_sizes,
 )
-from megatron_weipipe.schedules.plan.simulate import simulate
-from megatron_weipipe.schedules.plan.timeline import build, megatron_timeline, tick_table
+from megatron_weipipe.schedules.timing.tick_simulator import simulate
+from megatron_weipipe.schedules.generate.megatron_timeline import build, megatron_timeline, tick_table
 
 SCHEDULES = registry.weipipe_names()
 
@@ -190,8 +192,8 @@ def test_zb_makespan_and_bubble_closed_form_at_any_costs(F, I, W):
     GP(F+I+W) + (P-1)max(F,I,W); the bubble is (P-1)max / makespan. The lower bound
     (P-1)F + GP(F+I+W) is met exactly when max(I, W) <= F; interleave is the same form
     with B, and zb with I = B, W = 0 is interleave."""
-    from megatron_weipipe.schedules.plan.metrics import expected_makespan
-    from megatron_weipipe.schedules.plan.simulate import DEFAULT_COSTS, simulate
+    from megatron_weipipe.schedules.timing.closed_forms import expected_makespan
+    from megatron_weipipe.schedules.timing.tick_simulator import DEFAULT_COSTS, simulate
 
     for P in range(2, 9):
         for G in range(1, 5):

@@ -7,8 +7,10 @@ import dataclasses
 
 import pytest
 
-from megatron_weipipe.schedules.plan import Flow, Kind, ScheduleError, generate, validate
-from megatron_weipipe.schedules.plan.execution import walk
+from megatron_weipipe.schedules.ir.actions import Flow, Kind, ScheduleError
+from megatron_weipipe.schedules.generate.weipipe import generate
+from megatron_weipipe.schedules.check.validate import validate
+from megatron_weipipe.schedules.check.execution import walk
 
 
 def mutate(schedule, rank, fn):

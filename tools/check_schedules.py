@@ -23,8 +23,11 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_weipipe.schedules import registry  # noqa: E402
-from megatron_weipipe.schedules.plan import ScheduleError, build, generate, validate  # noqa: E402
-from megatron_weipipe.schedules.plan.posts import DEFAULT_ORDER, ORDERS  # noqa: E402
+from megatron_weipipe.schedules.ir.actions import ScheduleError  # noqa: E402
+from megatron_weipipe.schedules.generate.megatron_timeline import build  # noqa: E402
+from megatron_weipipe.schedules.generate.weipipe import generate  # noqa: E402
+from megatron_weipipe.schedules.check.validate import validate  # noqa: E402
+from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, ORDERS  # noqa: E402
 
 # Megatron cases left out, with the reason printed on every run.
 NOT_CHECKED = (

@@ -414,7 +414,7 @@ def estimate(cfg, pp_rank: int, vocab: int, platform=None) -> dict:
     from megatron_weipipe.simulator.run_spec import spec_from_config
 
     cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
-    from megatron_weipipe.model.attention import SDPA_BACKENDS, requested_backend
+    from megatron_weipipe.model.sdpa_attention import SDPA_BACKENDS, requested_backend
     from megatron_weipipe.platform import detect_platform
 
     fused = (platform or detect_platform()).attention_backend(requested_backend(cfg)) in SDPA_BACKENDS

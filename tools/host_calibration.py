@@ -91,7 +91,7 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
     import torch.distributed as dist
 
     from megatron_weipipe.model.gpt import build_gpt_model
-    from megatron_weipipe.schedules.runtime.flat import FlatLayout
+    from megatron_weipipe.schedules.runtime.flat import FlatViews
 
     torch.set_num_threads(threads)
     shape.validate()
@@ -107,7 +107,7 @@ def calibrate(shape: ModelShape, layers_per_chunk: int, *, repeats: int = 5, thr
         positions = torch.arange(s).unsqueeze(0).expand(b, s)
         rotary = model.rotary_pos_emb(s) if shape.position_embedding_type == "rope" else None
         stack = _stack(list(model.decoder.layers), rotary)
-        layout = FlatLayout.from_module(stack)
+        layout = FlatViews.from_module(stack)
         x0 = torch.randn(s, b, h, generator=gen)
         dy = torch.randn(s, b, h, generator=gen)
         token = torch.zeros(layout.numel)
@@ -263,7 +263,7 @@ def _optimizer_probe(cfg, model):
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
+    from megatron_weipipe.schedules.gpt.megatron_schedules import ddp_config
     from megatron_weipipe.training.optimizer import build_optimizer
 
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config(cfg), module=model)

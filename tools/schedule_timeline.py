@@ -15,7 +15,7 @@ stderr and exit 2.
 `--from-trace DIR` reads the per-rank Chrome traces of `pretrain_gpt.py
 --schedule-trace DIR` and prints each rank's measured busy and idle seconds, the
 measured bubble (idle / (busy + idle) over all ranks and every traced iteration but the
-first, optimizer step excluded; plan/measured.py), the mean measured cost of each
+first, optimizer step excluded; timing/measured.py), the mean measured cost of each
 compute kind, the planned bubble at those costs (the simulator on the schedule's plan)
 and at unit costs, and the last iteration's measured timeline beside the planned one.
 `--json` prints the same as one JSON object (`measured_bubble`, `ranks[].busy_s`,
@@ -34,12 +34,12 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_weipipe.schedules import registry  # noqa: E402
-from megatron_weipipe.schedules.plan.actions import COMPUTE_KINDS, Kind, ScheduleError  # noqa: E402
-from megatron_weipipe.schedules.plan.metrics import idle_ticks  # noqa: E402
-from megatron_weipipe.schedules.plan.simulate import simulate  # noqa: E402
-from megatron_weipipe.schedules.plan.timeline import build, tick_table  # noqa: E402
-from megatron_weipipe.schedules.plan.validate import validate  # noqa: E402
-from megatron_weipipe.schedules.plan import measured as measured_mod  # noqa: E402
+from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Kind, ScheduleError  # noqa: E402
+from megatron_weipipe.schedules.timing.closed_forms import idle_ticks  # noqa: E402
+from megatron_weipipe.schedules.timing.tick_simulator import simulate  # noqa: E402
+from megatron_weipipe.schedules.generate.megatron_timeline import build, tick_table  # noqa: E402
+from megatron_weipipe.schedules.check.validate import validate  # noqa: E402
+from megatron_weipipe.schedules.timing import measured as measured_mod  # noqa: E402
 
 COLORS = {
     Kind.FORWARD: "#4C72B0",

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_weipipe.simulator.errors import SimulatorError
+    from megatron_weipipe.errors import SimulatorError
     from simulator_validation import cpu_host, doc_tables
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -41,7 +41,7 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
     """
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_weipipe.model.attention import requested_backend
+    from megatron_weipipe.model.sdpa_attention import requested_backend
     from megatron_weipipe.model.layer_choice import choose_layers
 
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -104,7 +104,7 @@ def layer_spec(cfg: PretrainConfig, platform: Optional[Platform] = None):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from megatron_weipipe.model.attention import core_attention_class, requested_backend
+    from megatron_weipipe.model.sdpa_attention import core_attention_class, requested_backend
 
     platform = platform or detect_platform()
     if use_transformer_engine(cfg, platform):

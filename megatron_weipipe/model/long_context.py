@@ -100,7 +100,7 @@ def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings, 
     the plain local spec, so no layer of the model is megatron-core's unfused attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_weipipe.model.attention import core_attention_class, requested_backend
+    from megatron_weipipe.model.sdpa_attention import core_attention_class, requested_backend
     from megatron_weipipe.platform import detect_platform
 
     platform = platform or detect_platform()

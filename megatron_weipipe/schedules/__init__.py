@@ -1,11 +1,10 @@
-"""Pipeline schedules in three layers, plus the table that names them.
+"""Pipeline schedules: the table that names them, the schedule as data, and the torch side.
 
-- registry.py: every schedule declared once (name, family, plan, training class,
-  start-up rules as lazy import paths); imports no torch.
-- plan/: schedules as data, pure Python: action IR, WeiPipe message builder and one
-  module per WeiPipe variant, Megatron timelines, walker, validator, metrics, the event
-  core with the tick simulator, start-up rules.
-- runtime/: torch.distributed, model-agnostic: the WeiPipe ring runtime, flat buffers.
-- train/: the GPT adapter pretrain() runs: TrainSchedule, Megatron's schedules on
+- registry.py: every schedule declared once; imports no torch.
+- ir/ (the format), generate/ (making action lists), check/ (proving them right,
+  start-up rules), timing/ (replaying them in time): pure Python, no process group.
+- runtime/: torch.distributed, model-agnostic: the WeiPipe ring runtime, flat buffers,
+  traces, deferred weight gradients.
+- gpt/: the GPT model adapters pretrain() runs: TrainSchedule, Megatron's schedules on
   megatron-core, the WeiPipe schedule.
 """

@@ -10,7 +10,7 @@ of schedule names (the simulator's, the timeline tool's, the tests') derives fro
 ``SCHEDULES``.
 
 A new WeiPipe variant is one module with a ``plan(P, G)`` function (see
-plan/weipipe_zb.py) plus one ``weipipe(...)`` line below; docs/weipipe.md has the recipe.
+generate/weipipe_zb.py) plus one ``weipipe(...)`` line below; docs/weipipe.md has the recipe.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ if TYPE_CHECKING:
 MEGATRON = "megatron"
 WEIPIPE = "weipipe"
 
-_PLAN = "megatron_weipipe.schedules.plan"
-_TRAIN = "megatron_weipipe.schedules.train"
+_GENERATE = "megatron_weipipe.schedules.generate"
+_CHECK = "megatron_weipipe.schedules.check"
+_TRAIN = "megatron_weipipe.schedules.gpt"
 
 
 @dataclass(frozen=True)
 class ScheduleEntry:
     """One schedule. ``plan``: for the weipipe family a ``plan(P, G) -> Plan`` compute
-    plan (plan/builder.py derives the messages); for the megatron family the timeline
+    plan (generate/builder.py derives the messages); for the megatron family the timeline
     builder ``(name, P, N, V) -> Schedule`` used to draw and time it (None: nothing to
     draw). ``train``: the TrainSchedule class pretrain() runs. ``rules``: a pure
     ``(cfg, name) -> None`` that raises ConfigError for flags the schedule cannot run."""
@@ -47,22 +48,22 @@ class ScheduleEntry:
 def megatron(name: str, timeline: Optional[str], rules: str) -> ScheduleEntry:
     """A schedule megatron-core runs (its forward_backward function)."""
     return ScheduleEntry(name, MEGATRON, timeline, f"{_TRAIN}.megatron_schedules:MegatronSchedule",
-                         f"{_PLAN}.rules:{rules}")
+                         f"{_CHECK}.rules:{rules}")
 
 
 def weipipe(name: str, plan: str) -> ScheduleEntry:
     """A WeiPipe variant: its compute plan; generation, validation, the runtime and the
     GPT training class are shared by every variant."""
-    return ScheduleEntry(name, WEIPIPE, plan, f"{_TRAIN}.weipipe:WeiPipeSchedule", f"{_PLAN}.rules:check_weipipe")
+    return ScheduleEntry(name, WEIPIPE, plan, f"{_TRAIN}.weipipe:WeiPipeSchedule", f"{_CHECK}.rules:check_weipipe")
 
 
 SCHEDULES: dict[str, ScheduleEntry] = {e.name: e for e in (
     megatron("none", None, "check_no_pipelining"),
-    megatron("1f1b", f"{_PLAN}.timeline:megatron_timeline", "check_1f1b"),
-    megatron("interleaved", f"{_PLAN}.timeline:megatron_timeline", "check_interleaved"),
-    weipipe("weipipe-naive", f"{_PLAN}.weipipe_naive:plan"),
-    weipipe("weipipe-interleave", f"{_PLAN}.weipipe_interleave:plan"),
-    weipipe("weipipe-zb", f"{_PLAN}.weipipe_zb:plan"),
+    megatron("1f1b", f"{_GENERATE}.megatron_timeline:megatron_timeline", "check_1f1b"),
+    megatron("interleaved", f"{_GENERATE}.megatron_timeline:megatron_timeline", "check_interleaved"),
+    weipipe("weipipe-naive", f"{_GENERATE}.weipipe_naive:plan"),
+    weipipe("weipipe-interleave", f"{_GENERATE}.weipipe_interleave:plan"),
+    weipipe("weipipe-zb", f"{_GENERATE}.weipipe_zb:plan"),
 )}
 
 

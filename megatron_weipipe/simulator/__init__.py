@@ -8,6 +8,6 @@ megatron-core layers on this host (`calibrate`). Memory is estimated per rank fr
 same lists (in-flight microbatches, live buffers). See docs/simulator.md.
 """
 
-from .errors import SimulatorError
+from megatron_weipipe.errors import SimulatorError
 
 __all__ = ["SimulatorError"]

@@ -2,7 +2,7 @@
 
 - ``fsdp``: FSDP / ZeRO-3 over the same GPUs, no pipeline (PP = 1, every GPU a data-
   parallel rank holding 1/n of every parameter), with the units the trainer's
-  ``--use-torch-fsdp2`` makes (schedules/train/fsdp.py): the embedding, each decoder
+  ``--use-torch-fsdp2`` makes (schedules/gpt/fsdp.py): the embedding, each decoder
   layer, the root (final norm, and the output layer when untied). Every microbatch each
   unit is all-gathered before its forward and again before its backward (resharded after
   the forward: FSDP2's default, root included) and its gradient reduce-scattered in fp32
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_weipipe.schedules.plan.actions import Action, Kind
-from megatron_weipipe.schedules.plan.events import TimedAction, TokenBucket, Trace
+from megatron_weipipe.schedules.ir.actions import Action, Kind
+from megatron_weipipe.schedules.timing.replay import TimedAction, TokenBucket, Trace
 
 from . import collectives
 from .costs import CostModel
@@ -36,7 +36,7 @@ from .hardware import Cluster
 from .run_spec import RunSpec
 
 FSDP_GRAD_BYTES = 4  # gradients reduce-scattered in fp32 (Megatron's main-grad dtype)
-FSDP_KIND = "fsdp"  # the trainer's byte-counter kind for FSDP2's collectives (schedules/train/fsdp.py)
+FSDP_KIND = "fsdp"  # the trainer's byte-counter kind for FSDP2's collectives (schedules/gpt/fsdp.py)
 
 
 def fsdp_units(spec: RunSpec) -> list[tuple[str, int]]:

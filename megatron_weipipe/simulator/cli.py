@@ -16,7 +16,7 @@ from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.errors import ConfigError
 from megatron_weipipe.flags import add_flags, from_args
 
-from .errors import require
+from megatron_weipipe.errors import require_simulable
 from .options import OPTION_GROUPS, CalibrationOptions, HardwareOptions, OutputOptions, SimulationOptions
 
 EXIT_BAD_INPUT = 2
@@ -61,7 +61,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> SimulatorArgs:
     p = cfg.parallel
     p.validate()  # the sizes the world size is computed from
     world = sim.num_gpus or p.model_parallel_size
-    require(world % p.model_parallel_size == 0,
+    require_simulable(world % p.model_parallel_size == 0,
             f"--num-gpus ({world}) must be divisible by tensor x pipeline x context parallel size "
             f"({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x {p.context_parallel_size})")
     return SimulatorArgs(replace(cfg, world_size=world), sim, hw, cal, out)
@@ -91,8 +91,8 @@ def build_cluster(hw: HardwareOptions):
     if hw.inter_bandwidth_gbs is not None or hw.inter_latency_us is not None:
         inter = replace(inter, bandwidth_gbs=hw.inter_bandwidth_gbs or inter.bandwidth_gbs,
                         latency_us=inter.latency_us if hw.inter_latency_us is None else hw.inter_latency_us)
-    require(hw.gpus_per_node >= 1, "--gpus-per-node must be at least 1")
-    require(1 <= hw.intra_link_shared_by <= hw.gpus_per_node and 1 <= hw.inter_link_shared_by <= hw.gpus_per_node,
+    require_simulable(hw.gpus_per_node >= 1, "--gpus-per-node must be at least 1")
+    require_simulable(1 <= hw.intra_link_shared_by <= hw.gpus_per_node and 1 <= hw.inter_link_shared_by <= hw.gpus_per_node,
             "--intra-link-shared-by and --inter-link-shared-by must be between 1 and --gpus-per-node")
     intra, inter = shared_link(intra, hw.intra_link_shared_by), shared_link(inter, hw.inter_link_shared_by)
     return Cluster(device=device, intra=intra, inter=inter, gpus_per_node=hw.gpus_per_node,
@@ -106,7 +106,7 @@ def run_specs(a: SimulatorArgs) -> list:
 
     names = schedule_names(a)
     for n in names:
-        require(n in schedule_choices(), f"--schedules: {n!r} is unknown; choose from {', '.join(schedule_choices())}")
+        require_simulable(n in schedule_choices(), f"--schedules: {n!r} is unknown; choose from {', '.join(schedule_choices())}")
     factors = kernel_efficiencies(a.sim.kernel_efficiency, names)
     specs = []
     for n in names:
@@ -132,13 +132,13 @@ def kernel_efficiencies(text: str, names) -> dict:
         else:
             for part in filter(None, (x.strip() for x in text.split(","))):
                 name, _, value = part.partition("=")
-                require(name.strip() in out, f"--kernel-efficiency names {name.strip()!r}, which is not among "
+                require_simulable(name.strip() in out, f"--kernel-efficiency names {name.strip()!r}, which is not among "
                                              f"--schedules ({', '.join(names)})")
                 out[name.strip()] = float(value)
     except ValueError:
-        require(False, f"--kernel-efficiency {text!r} must be a number or SCHEDULE=NUMBER pairs")
+        require_simulable(False, f"--kernel-efficiency {text!r} must be a number or SCHEDULE=NUMBER pairs")
     for n, f in out.items():
-        require(0 < f <= 10, f"--kernel-efficiency of {n} must be positive (got {f:g})")
+        require_simulable(0 < f <= 10, f"--kernel-efficiency of {n} must be positive (got {f:g})")
     return out
 
 
@@ -163,9 +163,9 @@ def calibration_for(opts: CalibrationOptions, spec, calibrator=None):
                 c = c.in_clock(opts.calibration_clock)
             _CALIBRATIONS[key] = c
         else:
-            require(calibrator is not None,
+            require_simulable(calibrator is not None,
                     "--calibrate times real layers on this host: run it through tools/simulate.py")
-            require(opts.calibrate_ranks >= 1, "--calibrate-ranks must be at least 1")
+            require_simulable(opts.calibrate_ranks >= 1, "--calibrate-ranks must be at least 1")
             reps = opts.calibration_repeats
             if opts.calibrate_ranks > 1:
                 c = calibrator.calibrate_concurrently(spec.shape, spec.layers_per_chunk, opts.calibrate_ranks, repeats=reps)

@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from megatron_weipipe.schedules.plan.actions import Action, Kind, Schedule
+from megatron_weipipe.schedules.ir.actions import Action, Kind, Schedule
 
 from . import collectives
 from .calibration import ChunkTimes, HostCalibration
-from .errors import SimulatorError
+from megatron_weipipe.errors import SimulatorError
 from .hardware import DeviceSpec, LinkSpec
 from megatron_weipipe.shape import ModelShape
 

@@ -111,7 +111,7 @@ def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp:
 
 def offload_bytes(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
                   dtype_bytes: int = 2) -> tuple[float, float, float]:
-    """What fpdt/attention.py takes from the model's shared HostBufferPool over one layer's
+    """What fpdt/chunked_attention.py takes from the model's shared HostBufferPool over one layer's
     forward/backward pair, in buffer bytes (``pool_buffers`` has them by size;
     memory.shared_pool_bytes: how many pairs are live at once and the slabs they take), and
     the most chunk state its ChunkStore holds on the device at once: x of two chunks (the
@@ -136,7 +136,7 @@ def offload_bytes(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
 def pool_buffers(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
                  dtype_bytes: int = 2) -> tuple[dict, dict]:
     """The host buffers of one layer's forward/backward pair by size ({bytes: how many}),
-    as fpdt/attention.py takes them (``offload_bytes`` has their sum): per chunk x and
+    as fpdt/chunked_attention.py takes them (``offload_bytes`` has their sum): per chunk x and
     o_local (sequence layout), k, v, q, o and the fp32 log-sum-exp in the forward; do of
     every chunk, dq of the later query chunks in the kernel's dtype (u - 1) and as the
     fp32 sum from the second KV chunk on (u - 2; in float32 and float64 the sum overwrites

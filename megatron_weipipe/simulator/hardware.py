@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .errors import SimulatorError, require
+from megatron_weipipe.errors import SimulatorError, require_simulable
 
 GB = 1e9
 GiB = 2**30
@@ -30,10 +30,10 @@ class DeviceSpec:
     backend: str = "nccl"  # its collectives' library (gloo all-reduces the whole tensor to reduce-scatter)
 
     def validate(self) -> "DeviceSpec":
-        require(self.peak_tflops > 0, f"device {self.name}: peak TFLOP/s must be positive")
-        require(0 < self.gemm_efficiency <= 1 and 0 < self.attention_efficiency <= 1,
+        require_simulable(self.peak_tflops > 0, f"device {self.name}: peak TFLOP/s must be positive")
+        require_simulable(0 < self.gemm_efficiency <= 1 and 0 < self.attention_efficiency <= 1,
                 f"device {self.name}: efficiencies must be in (0, 1]")
-        require(self.hbm_gbs > 0 and self.memory_gb > 0, f"device {self.name}: memory figures must be positive")
+        require_simulable(self.hbm_gbs > 0 and self.memory_gb > 0, f"device {self.name}: memory figures must be positive")
         return self
 
     @property
@@ -68,9 +68,9 @@ class LinkSpec:
     burst_bytes: float = 0.0  # a shaped link's token bucket (tc tbf's burst): bytes an idle link passes at once
 
     def validate(self) -> "LinkSpec":
-        require(self.bandwidth_gbs > 0, f"link {self.name}: bandwidth must be positive")
-        require(self.latency_us >= 0, f"link {self.name}: latency must be non-negative")
-        require(self.burst_bytes >= 0, f"link {self.name}: burst must be non-negative")
+        require_simulable(self.bandwidth_gbs > 0, f"link {self.name}: bandwidth must be positive")
+        require_simulable(self.latency_us >= 0, f"link {self.name}: latency must be non-negative")
+        require_simulable(self.burst_bytes >= 0, f"link {self.name}: burst must be non-negative")
         return self
 
     def time(self, nbytes: float) -> float:
@@ -101,7 +101,7 @@ HOST_LINKS: dict[str, LinkSpec] = {
 def shared_link(link: LinkSpec, users: int) -> LinkSpec:
     """The link as each of `users` GPUs sees it when they use one shared link at once (a PCIe
     switch, a node's NIC): bandwidth / users, latency unchanged."""
-    require(users >= 1, "a shared link needs at least one user")
+    require_simulable(users >= 1, "a shared link needs at least one user")
     if users == 1:
         return link
     return replace(link, name=f"{link.name}/{users}", bandwidth_gbs=link.bandwidth_gbs / users)
@@ -150,9 +150,9 @@ class Cluster:
         self.intra.validate()
         self.inter.validate()
         self.host_link.validate()
-        require(self.gpus_per_node >= 1, "--gpus-per-node must be at least 1")
-        require(self.cores_per_node is None or self.cores_per_node > 0, "--host-cores must be positive")
-        require(self.background_tasks >= 0, "--host-background must be non-negative")
+        require_simulable(self.gpus_per_node >= 1, "--gpus-per-node must be at least 1")
+        require_simulable(self.cores_per_node is None or self.cores_per_node > 0, "--host-cores must be positive")
+        require_simulable(self.background_tasks >= 0, "--host-background must be non-negative")
         return self
 
     def node(self, rank: int) -> int:

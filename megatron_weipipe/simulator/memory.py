@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from megatron_weipipe.schedules.plan.actions import Flow, Kind, Schedule
-from megatron_weipipe.schedules.plan.posts import DEFAULT_ORDER, Post, pair_messages, rank_posts
+from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule
+from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, Post, pair_messages, rank_posts
 
 from megatron_weipipe.residency import pool_bytes
 from megatron_weipipe.shape import ModelShape
@@ -344,7 +344,7 @@ class StateBytes:
 
 
 def fsdp2_state_bytes(shards: int) -> StateBytes:
-    """schedules/train/fsdp.py: fp32 weights (the master), fp32 grads (reduce dtype) and
+    """schedules/gpt/fsdp.py: fp32 weights (the master), fp32 grads (reduce dtype) and
     Adam's two fp32 moments, every one sharded."""
     return StateBytes(param=4, grad=4, optimizer=8, optimizer_shards=shards, param_shards=shards)
 

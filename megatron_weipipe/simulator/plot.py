@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_weipipe.schedules.plan.actions import COMPUTE_KINDS, Kind
+from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Kind
 
 COLORS = {
     Kind.FORWARD: "#4C72B0",

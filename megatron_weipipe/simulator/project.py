@@ -6,7 +6,7 @@ same lists, so their work shows up as collectives only. After the lists, what
 pretrain() runs per iteration follows, in order:
 - Megatron schedules: DDP's gradient all-reduce over data x context ranks, the
   all-reduce of the tied word-embedding gradient between the first and the last stage;
-- WeiPipe schedules (schedules/train/weipipe): the ring all-reduce of the replicated
+- WeiPipe schedules (schedules/gpt/weipipe): the ring all-reduce of the replicated
   embedding / final norm / output layer gradients, then DDP's data-parallel all-reduce;
 - then the iteration's flag all-reduce (a barrier), the gradient norm and the
   optimizer step of every rank's own parameters (the slowest rank sets the pace).
@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_weipipe.schedules.plan.actions import Flow, Kind, Schedule
+from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule
 
 from . import collectives, memory
 from .costs import CostModel
-from .events import EventModel, Trace, replay
+from megatron_weipipe.simulator.cluster_replay import EventModel, Trace, replay
 from .fpdt import FPDTReport, analyse
 from .hardware import Cluster
 from .run_spec import RunSpec

@@ -15,15 +15,15 @@ from megatron_weipipe.config import ModelConfig, ParallelConfig, PretrainConfig,
 from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.schedules import registry
-from megatron_weipipe.schedules.plan.actions import Action, Flow, Schedule
-from megatron_weipipe.schedules.plan.generate import generate
-from megatron_weipipe.schedules.plan.timeline import megatron_timeline
-from megatron_weipipe.schedules.plan.zb_h1 import zb_h1_timeline
+from megatron_weipipe.schedules.ir.actions import Action, Flow, Schedule
+from megatron_weipipe.schedules.generate.weipipe import generate
+from megatron_weipipe.schedules.generate.megatron_timeline import megatron_timeline
+from megatron_weipipe.schedules.generate.zb_h1 import zb_h1_timeline
 from megatron_weipipe.shape import ModelShape
 
-from .errors import SimulatorError, require
+from megatron_weipipe.errors import SimulatorError, require_simulable
 from .fpdt import FPDTSpec
-from .layout import Layout
+from megatron_weipipe.simulator.rank_order import Layout
 
 DEFAULT_VOCAB_SIZE = 32000  # when --vocab-size is not given (the simulator has no tokenizer)
 
@@ -85,15 +85,15 @@ class RunSpec:
         """The training rules of the run this simulates, then what the simulator itself needs."""
         s, lay = self.shape, self.layout
         P, L = lay.pp, s.num_layers
-        require(registry.find(self.training_schedule) is not None,
+        require_simulable(registry.find(self.training_schedule) is not None,
                 f"--schedules: {self.schedule!r} is unknown; choose from {', '.join(schedule_choices())}")
-        require(self.kernel_efficiency > 0, f"--kernel-efficiency of {self.schedule} must be positive")
-        require(self.global_batch_size > 0, "--global-batch-size must be positive")
+        require_simulable(self.kernel_efficiency > 0, f"--kernel-efficiency of {self.schedule} must be positive")
+        require_simulable(self.global_batch_size > 0, "--global-batch-size must be positive")
         if self.training_schedule != "none" and P == 1:
             raise SimulatorError(f"schedule {self.schedule} needs --pipeline-model-parallel-size >= 2")
         if self.schedule == "interleaved":
             V = self.virtual_stages
-            require(V >= 2 and L % (P * V) == 0,
+            require_simulable(V >= 2 and L % (P * V) == 0,
                     f"interleaved needs --num-layers ({L}) divisible by pipeline size x virtual stages ({P} x {V})")
         check_config(spec_to_config(self), check_data=False)
         return self

@@ -23,9 +23,9 @@ from megatron_weipipe.shape import ModelShape
 
 from .calibration import Fsdp2Overhead, HostCalibration
 from .costs import from_calibration
-from .errors import SimulatorError, require
+from megatron_weipipe.errors import SimulatorError, require_simulable
 from .hardware import CPU_HOST, Cluster, LinkSpec
-from .layout import Layout
+from megatron_weipipe.simulator.rank_order import Layout
 from .project import ScheduleResult, simulate_run
 from .run_spec import RunSpec
 
@@ -52,7 +52,7 @@ class TestbedShape:
 
 def testbed_spec(schedule: str, seq: int, shape: TestbedShape = TestbedShape()) -> RunSpec:
     """The RunSpec of one testbed row (validated by the training rules)."""
-    require(schedule in TESTBED_SCHEDULES, f"testbed schedule {schedule!r} is not one of {', '.join(TESTBED_SCHEDULES)}")
+    require_simulable(schedule in TESTBED_SCHEDULES, f"testbed schedule {schedule!r} is not one of {', '.join(TESTBED_SCHEDULES)}")
     layout = Layout(pp=1, dp=2) if schedule == "fsdp" else Layout(pp=2)
     return RunSpec(shape=shape.model(seq), layout=layout, global_batch_size=shape.microbatches, schedule=schedule,
                    virtual_stages=2, compute_bytes=4, attention_impl="unfused+flash", dropout=False,
@@ -63,7 +63,7 @@ def testbed_cluster(rate_bytes_s: float, latency_s: float, cpu_s_per_byte: float
                     burst_bytes: float = 0.0) -> Cluster:
     """Two ranks with a core each, joined by the emulated link (``latency_s``: per message,
     the emulated latency and gloo's own fixed cost; ``burst_bytes``: tc tbf's bucket)."""
-    require(rate_bytes_s > 0 and latency_s >= 0, "the emulated link needs a positive rate and a latency >= 0")
+    require_simulable(rate_bytes_s > 0 and latency_s >= 0, "the emulated link needs a positive rate and a latency >= 0")
     link = LinkSpec("emulated", rate_bytes_s / 1e9, latency_s * 1e6, cpu_s_per_byte, burst_bytes)
     return Cluster(device=CPU_HOST, intra=link, inter=link, gpus_per_node=2).validate()
 

@@ -22,7 +22,7 @@ from megatron_weipipe.initialize import initialize_distributed
 from megatron_weipipe.parallel import ParallelGroups
 from megatron_weipipe import faults
 from megatron_weipipe.schedules import registry
-from megatron_weipipe.schedules.train.base import ForwardStep, TrainSchedule
+from megatron_weipipe.schedules.gpt.base import ForwardStep, TrainSchedule
 from megatron_weipipe.shape import padded_vocab_size
 from megatron_weipipe.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_weipipe.training.metrics import (

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     from megatron_weipipe.simulator import calibration as calib
     from megatron_weipipe.simulator.calibration import Fsdp2Overhead
-    from megatron_weipipe.simulator.errors import SimulatorError
+    from megatron_weipipe.errors import SimulatorError
     from megatron_weipipe.simulator.testbed import TestbedShape, compare_rows, predict_testbed_row
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

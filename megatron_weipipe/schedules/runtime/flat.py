@@ -23,12 +23,12 @@ class ParamSlot:
 
 
 @dataclass(frozen=True)
-class FlatLayout:
+class FlatViews:
     params: tuple[ParamSlot, ...]
     numel: int
 
     @classmethod
-    def from_module(cls, module: nn.Module) -> "FlatLayout":
+    def from_module(cls, module: nn.Module) -> "FlatViews":
         slots, offset = [], 0
         for name, p in module.named_parameters():
             slots.append(ParamSlot(name, tuple(p.shape), offset, p.numel()))

@@ -42,9 +42,9 @@ from torch.func import functional_call
 from megatron_weipipe.byte_counter import ByteCounter
 from megatron_weipipe.platform import detect_platform
 
-from ..plan.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
-from ..plan.posts import DEFAULT_ORDER, Post, rank_posts
-from .flat import FlatLayout
+from megatron_weipipe.schedules.ir.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, Post, rank_posts
+from .flat import FlatViews
 from .trace import ActionTracer
 from .wgrad import WeightGradStore, deferring
 
@@ -172,7 +172,7 @@ class WeiPipeRuntime:
         self.global_rank = [dist.get_global_rank(ring_group, r) if ring_group is not None else r
                             for r in range(size)]
         self.template = chunk_template
-        self.layout = FlatLayout.from_module(chunk_template)
+        self.layout = FlatViews.from_module(chunk_template)
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         self.recompute = recompute

@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Callable, Optional
 
-from ..plan.measured import CUDA_EVENT, HOST  # the clock names, where the trace's readers keep them
+from megatron_weipipe.schedules.timing.measured import CUDA_EVENT, HOST  # the clock names, where the trace's readers keep them
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ ring is no longer held back by W (nor, for backward weights, by F).
 
 from __future__ import annotations
 
-from .actions import Kind
-from .builder import Compute, Plan
-from .weipipe_interleave import grid
+from megatron_weipipe.schedules.ir.actions import Kind
+from megatron_weipipe.schedules.generate.builder import Compute, Plan
+from megatron_weipipe.schedules.generate.weipipe_interleave import grid
 
 
 def plan(P: int, G: int) -> Plan:

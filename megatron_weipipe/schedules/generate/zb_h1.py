@@ -17,7 +17,7 @@ so the lists exist for the simulator (simulator/) and the validator, family "meg
 
 from __future__ import annotations
 
-from .actions import Action, Flow, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.ir.actions import Action, Flow, Kind, Schedule, ScheduleError
 
 NAME = "zb-h1"
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Mapping
 
-from .actions import COMPUTE_KINDS, Flow, Kind, Schedule, ScheduleError
-from .simulate import DEFAULT_COSTS, simulate
+from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Flow, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.timing.tick_simulator import DEFAULT_COSTS, simulate
 
 
 def idle_ticks(schedule: Schedule) -> tuple[int, ...]:

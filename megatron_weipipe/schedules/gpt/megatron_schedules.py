@@ -14,7 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_weipipe.config import PretrainConfig
-from .base import ForwardStep, ModelProvider, StepResult, TrainSchedule
+from megatron_weipipe.schedules.gpt.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
 
 
 def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
@@ -45,7 +45,7 @@ def wrap_ddp(cfg: PretrainConfig, chunks: list[torch.nn.Module]) -> list[Distrib
 
 class MegatronSchedule(TrainSchedule):
     """none, 1f1b and interleaved: megatron-core's forward_backward function for the
-    parallel layout (its start-up rules are plan/rules.py's check_no_pipelining,
+    parallel layout (its start-up rules are check/rules.py's check_no_pipelining,
     check_1f1b and check_interleaved)."""
 
     def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
@@ -69,7 +69,7 @@ class MegatronSchedule(TrainSchedule):
                 )
         config = chunks[0].config
         if self.cfg.parallel.use_torch_fsdp2:
-            from .fsdp import wrap_fsdp
+            from megatron_weipipe.model.fsdp import wrap_fsdp
 
             dtype = torch.bfloat16 if self.cfg.training.bf16 else torch.float32
             self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg), compute_dtype=dtype)

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Callable, Optional, Sequence
 
-from .actions import Action, Kind, Schedule, ScheduleError
-from .posts import Post, Step, Wait, pair_messages
+from megatron_weipipe.schedules.ir.actions import Action, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.ir.posts import Post, Step, Wait, pair_messages
 
 Visit = Callable[[Action, Optional[Action]], None]
 

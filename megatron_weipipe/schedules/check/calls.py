@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import Action, Kind
+from megatron_weipipe.schedules.ir.actions import Action, Kind
 
 
 def megatron_calls(acts: tuple[Action, ...], interleaved: bool) -> list:

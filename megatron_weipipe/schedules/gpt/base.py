@@ -70,7 +70,7 @@ class TrainSchedule(ABC):
     @classmethod
     def check_config(cls, cfg: PretrainConfig) -> None:
         """Raise ConfigError for flag combinations the configured schedule cannot run
-        (its pure rules in plan/rules.py, found through the registry)."""
+        (its pure rules in check/rules.py, found through the registry)."""
         registry.check_config(cfg)
 
     @abstractmethod

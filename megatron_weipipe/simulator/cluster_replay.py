@@ -1,6 +1,6 @@
 """Discrete-event replay of per-rank action lists on devices and links.
 
-The event loop and the timed types are the schedules' own (schedules/plan/events.py,
+The event loop and the timed types are the schedules' own (schedules/events.py,
 which the tick simulator runs too); this module adds the cluster: compute seconds per
 action, a link per pair of ranks, hosts whose cores the ranks share.
 
@@ -10,7 +10,7 @@ Two posting rules, one per runtime that executes these lists:
   until the end of the rank's list; the irecv of a RECV at tick t is posted when the
   rank starts its first action of tick t - lookahead, and the RECV waits for the data.
 - "blocking" (megatron-core's p2p with overlap off, the trainer's setting): the
-  SEND/RECV actions form megatron-core's calls (schedules/plan/calls.py), for 1F1B and
+  SEND/RECV actions form megatron-core's calls (schedules/calls.py), for 1F1B and
   interleaved 1F1B alike, each posted together and waited for, sends included, before
   the rank computes again.
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from megatron_weipipe.schedules.plan.actions import Action, Schedule
-from megatron_weipipe.schedules.plan.events import (
+from megatron_weipipe.schedules.ir.actions import Action, Schedule
+from megatron_weipipe.schedules.timing.replay import (
     EPS,
     POSTING_RULES,
     ReplayModel,
@@ -37,10 +37,10 @@ from megatron_weipipe.schedules.plan.events import (
     Transfer,
     Wire,
 )
-from megatron_weipipe.schedules.plan.events import replay as replay_events
+from megatron_weipipe.schedules.timing.replay import replay as replay_events
 
-from .errors import SimulatorError
-from .hardware import LinkSpec
+from megatron_weipipe.errors import SimulatorError
+from megatron_weipipe.simulator.hardware import LinkSpec
 
 __all__ = ["EPS", "EventModel", "TimedAction", "Trace", "Transfer", "replay"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import require
+from megatron_weipipe.errors import require_simulable
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Layout:
 
     def validate(self) -> "Layout":
         for name in ("tp", "pp", "cp", "dp"):
-            require(getattr(self, name) >= 1, f"{_FLAG[name]} must be at least 1")
+            require_simulable(getattr(self, name) >= 1, f"{_FLAG[name]} must be at least 1")
         return self
 
     @property

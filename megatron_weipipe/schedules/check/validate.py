@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .actions import (
+from megatron_weipipe.schedules.ir.actions import (
     COMPUTE_KINDS,
     FLOW_TAGS,
     RING_FLOWS,
@@ -25,7 +25,7 @@ from .actions import (
     Schedule,
     ScheduleError,
 )
-from .execution import walk
+from megatron_weipipe.schedules.check.execution import walk
 
 
 @dataclass(frozen=True)

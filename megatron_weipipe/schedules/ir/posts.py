@@ -29,8 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .actions import Flow, Kind, Schedule, ScheduleError
-from .calls import megatron_calls
+from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.check.calls import megatron_calls
 
 ORDERS = ("grouped", "recv-first", "parity")
 DEFAULT_ORDER = "parity"

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Optional
 
-from .actions import Action, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.ir.actions import Action, Kind, Schedule, ScheduleError
 
 Visit = Callable[[Action, Optional[Action]], None]
 
@@ -28,8 +28,8 @@ def walk(schedule: Schedule, visit: Visit, *, semantics: str = "buffered", order
     deadlock or on messages left unreceived. `order` and `lookahead` choose the posting
     program (posts.py) under "nccl"."""
     if semantics == "nccl":
-        from .nccl import nccl_walk
-        from .posts import programs
+        from megatron_weipipe.schedules.check.nccl import nccl_walk
+        from megatron_weipipe.schedules.ir.posts import programs
 
         nccl_walk(schedule, programs(schedule, order, lookahead), visit)
         return

@@ -1,7 +1,7 @@
 """The one event core: replay per-rank action lists in time.
 
 Both the tick simulator (simulate.py: unit costs, free or per-message communication)
-and the cluster projection (simulator/events.py: devices, links, hosts with shared
+and the cluster projection (simulator/cluster_replay.py: devices, links, hosts with shared
 cores) run the lists through `replay` below; they differ only in the `ReplayModel`
 they pass. This module defines the timed types they share (`TimedAction`, `Transfer`,
 `Trace`).
@@ -34,8 +34,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from .actions import COMPUTE_KINDS, Action, Flow, Kind, Schedule, ScheduleError
-from .calls import megatron_calls
+from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Action, Flow, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.check.calls import megatron_calls
 
 EPS = 1e-12
 POSTING_RULES = ("async", "blocking")

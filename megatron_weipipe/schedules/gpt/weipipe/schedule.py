@@ -20,7 +20,7 @@ from torch.func import functional_call
 
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.schedules import registry
-from megatron_weipipe.schedules.train.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
+from megatron_weipipe.schedules.gpt.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
 
 # Runtime flows -> the kinds the log line's sent/rank/iter shows.
 FLOW_KIND = {"fwd_weights": "weights", "bwd_weights": "weights", "placement": "weights", "grads": "gradients"}
@@ -28,7 +28,7 @@ FLOW_KIND = {"fwd_weights": "weights", "bwd_weights": "weights", "placement": "w
 
 class WeiPipeSchedule(TrainSchedule):
     """Any WeiPipe variant (``self.name``, from the configuration); its start-up rules
-    are plan/rules.py's check_weipipe."""
+    are check/rules.py's check_weipipe."""
 
     def __init__(self, cfg: PretrainConfig, ctx):
         super().__init__(cfg, ctx)
@@ -45,15 +45,16 @@ class WeiPipeSchedule(TrainSchedule):
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         from megatron_weipipe.model.gpt import compute_dtype
-        from megatron_weipipe.schedules.plan import generate, validate
-        from megatron_weipipe.schedules.runtime.flat import FlatLayout
+        from megatron_weipipe.schedules.generate.weipipe import generate
+        from megatron_weipipe.schedules.check.validate import validate
+        from megatron_weipipe.schedules.runtime.flat import FlatViews
         from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
-        from megatron_weipipe.schedules.train.megatron_schedules import ddp_config
+        from megatron_weipipe.schedules.gpt.megatron_schedules import ddp_config
 
-        from . import deferred
-        from .grad_sync import RingGradSync
-        from .ring_model import DecoderChunk, make_ring_replicas, replicated_parameters
-        from .steps import GPTEnds
+        from megatron_weipipe.schedules.gpt.weipipe import deferred
+        from megatron_weipipe.schedules.gpt.weipipe.grad_sync import RingGradSync
+        from megatron_weipipe.schedules.gpt.weipipe.ring_model import DecoderChunk, make_ring_replicas, replicated_parameters
+        from megatron_weipipe.schedules.gpt.weipipe.steps import GPTEnds
 
         g = self.groups
         model = model_provider(pre_process=True, post_process=True)
@@ -62,7 +63,7 @@ class WeiPipeSchedule(TrainSchedule):
                            and not self.cfg.model.layout_invariant_init)
         self.model = model
         self.template = DecoderChunk(model.decoder.layers, model.config.sequence_parallel)
-        self.layout = FlatLayout.from_module(self.template)
+        self.layout = FlatViews.from_module(self.template)
         self.deferrable = deferred.install(self.template)  # QKV, projection, FC1, FC2 of every layer
         self.owned = dict(self.template.named_parameters())
         self.replicated = [p for _, p in replicated_parameters(model)]
@@ -105,7 +106,7 @@ class WeiPipeSchedule(TrainSchedule):
 
     def forward_backward(self, forward_step: ForwardStep, microbatches: list[dict],
                          forward_only: bool = False) -> StepResult:
-        from .steps import prepare_microbatches
+        from megatron_weipipe.schedules.gpt.weipipe.steps import prepare_microbatches
 
         mbs = prepare_microbatches(forward_step, self.model, microbatches)
         if forward_only:

@@ -1,7 +1,7 @@
 """FPDT chunked Ulysses self-attention, and plain Ulysses attention from the same pieces.
 
 Inputs follow Megatron: hidden states [s_local, b, hidden] in the FPDT token layout
-(fpdt.layout), linear_qkv weight [groups*(heads_per_group+2)*head_dim, hidden] whose
+(fpdt.token_layout), linear_qkv weight [groups*(heads_per_group+2)*head_dim, hidden] whose
 output is, per query group, [q heads of the group..., k, v] (exactly Megatron's
 get_query_key_value_tensors split, so checkpoints load unchanged), linear_proj weight
 [hidden, heads*head_dim]. With tensor parallelism these are the TP-local shards and the

@@ -9,7 +9,7 @@ buffer in its tick, a hop leaves when the sender is done with it; that, not a gl
 barrier, paces the ring.
 
 It is the event core (events.py) with every receive posted up front, no wire time and
-`comm_time` as each message's latency; the cluster simulator (simulator/events.py)
+`comm_time` as each message's latency; the cluster simulator (simulator/cluster_replay.py)
 runs the same core with real costs, links and posting rules. Times are exact for costs
 that are binary fractions (the defaults, unit costs); for others the core's
 remaining-work bookkeeping can differ from a plain running sum in the last bit.
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
-from .actions import Action, Kind, Schedule
-from .events import ReplayModel, TimedAction, Wire, replay
+from megatron_weipipe.schedules.ir.actions import Action, Kind, Schedule
+from megatron_weipipe.schedules.timing.replay import ReplayModel, TimedAction, Wire, replay
 
 DEFAULT_COSTS: Mapping[Kind, float] = {
     Kind.FORWARD: 1.0,

@@ -25,7 +25,7 @@ from typing import Optional
 
 HOST, CUDA_EVENT = "host", "cuda_event"  # the trace metadata's `clock` values (runtime/trace_clock.py)
 
-# The action kinds of plan/actions.py whose cost the simulator models.
+# The action kinds of ir/actions.py whose cost the simulator models.
 COST_KINDS = ("forward", "backward", "backward_input", "backward_weight", "loss")
 
 

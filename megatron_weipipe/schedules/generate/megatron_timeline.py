@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import registry
-from .actions import COMPUTE_KINDS, Action, Flow, Kind, Schedule, ScheduleError
-from .generate import generate
-from .simulate import simulate
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Action, Flow, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.generate.weipipe import generate
+from megatron_weipipe.schedules.timing.tick_simulator import simulate
 
 
 def _fwd(rank: int, mb: int, stage: int, num_stages: int, P: int) -> list[Action]:

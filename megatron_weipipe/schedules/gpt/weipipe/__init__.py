@@ -6,6 +6,6 @@ forward steps into the runtime's pre/post functions; `schedule` is the TrainSche
 every `--pipeline-schedule weipipe-*` variant (the variant picks only the plan).
 """
 
-from .schedule import WeiPipeSchedule
+from megatron_weipipe.schedules.gpt.weipipe.schedule import WeiPipeSchedule
 
 __all__ = ["WeiPipeSchedule"]

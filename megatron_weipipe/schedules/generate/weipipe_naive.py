@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .actions import Kind
-from .builder import Compute, Plan
+from megatron_weipipe.schedules.ir.actions import Kind
+from megatron_weipipe.schedules.generate.builder import Compute, Plan
 
 
 def plan(P: int, G: int) -> Plan:

@@ -13,9 +13,9 @@ Variants: weipipe_naive.py, weipipe_interleave.py, weipipe_zb.py (registry.py na
 
 from __future__ import annotations
 
-from .. import registry
-from .actions import Schedule, ScheduleError
-from .builder import build_schedule
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.ir.actions import Schedule, ScheduleError
+from megatron_weipipe.schedules.generate.builder import build_schedule
 
 
 def _check(P: int, G: int) -> None:

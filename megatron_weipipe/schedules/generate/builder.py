@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.ir.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
 
 # Which token a compute kind reads (weights) and which gradient token it adds to.
 _READS = {
