@@ -17,7 +17,7 @@ import torch
 
 from megatron_weipipe.errors import ConfigError
 from megatron_weipipe.fpdt import AttentionSpec, FPDTConfig, fpdt_attention
-from megatron_weipipe.fpdt import attention as fpdt_attention_module
+from megatron_weipipe.fpdt import chunked_attention as fpdt_attention_module
 from megatron_weipipe.fpdt import kernels
 from megatron_weipipe.fpdt.config import KERNELS
 from megatron_weipipe.fpdt.documents import Documents

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from collections import defaultdict
 
 import pytest
@@ -183,20 +184,53 @@ def test_configuration_and_simulator_import_no_torch():
     assert out.stdout.strip() == "[]"
 
 
-# docs/architecture.md's table of layers, top to bottom; a module may import its own layer
-# and the layers below it.
-LAYERS = (
-    ("entry points", ("cli", "launch")),
-    ("training loop", ("training",)),
-    ("simulator", ("simulator",)),
-    ("start-up", ("initialize", "arguments")),
-    ("schedules", ("schedules",)),
-    ("model", ("model",)),
-    ("kernels and data", ("fpdt", "data")),
-    ("configuration", ("config", "data.config", "fpdt.config", "megatron_compat", "shape", "flags", "errors")),
-    ("services", ("platform", "parallel", "byte_counter", "faults", "context", "lazy", "residency",
-                  "mcore_versions", "host_values")),
-)
+LAYER_DOC = os.path.join(ROOT, "docs", "how-it-works", "architecture.md")
+
+
+def _read_layers(path: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The table under the doc's ``## Layers`` heading, top to bottom: each row's layer name
+    and the package modules and folders in backticks in its second column (paths outside
+    the package, such as ``pretrain_gpt.py`` or ``tools/``, are entry points the graph
+    does not hold)."""
+    lines = open(path).read().split("\n")
+    start = lines.index("## Layers")
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("## "):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or cells[0] in ("layer", "") or set(cells[0]) <= set("-: "):
+            continue
+        parts = []
+        for token in re.findall(r"`([^`]+)`", cells[1]):
+            token = token.strip().rstrip("/")
+            token = token[len(PACKAGE) + 1:] if token.startswith(PACKAGE + "/") else token
+            token = token[:-3] if token.endswith(".py") else token
+            name = token.replace("/", ".")
+            if f"{PACKAGE}.{name}" in MODULES or any(m.startswith(f"{PACKAGE}.{name}.") for m in MODULES):
+                parts.append(name)
+        rows.append((cells[0], tuple(parts)))
+    return tuple(rows)
+
+
+# The layers, top to bottom, as the doc's table gives them; a module may import its own
+# layer and the layers below it.
+LAYERS = _read_layers(LAYER_DOC)
+
+
+def test_the_layer_table_is_read_from_its_one_doc():
+    names = [name for name, _ in LAYERS]
+    assert names[0] == "entry points" and names[-1] == "services" and len(names) >= 8, names
+    assert all(parts for name, parts in LAYERS if name != "entry points"), LAYERS
+    copies = []
+    for folder, _, files in os.walk(ROOT):
+        if any(skip in folder for skip in (".git", ".venv", "node_modules")):
+            continue
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".md") and path != LAYER_DOC and re.search(r"^\|\s*layer\s*\|", open(path).read(), re.M):
+                copies.append(os.path.relpath(path, ROOT))
+    assert not copies, f"the layer table lives in {os.path.relpath(LAYER_DOC, ROOT)} only; link to it from {copies}"
 
 
 def _layer(module: str) -> int:
@@ -208,7 +242,7 @@ def _layer(module: str) -> int:
                 best, depth = index, part.count(".")
     if module == PACKAGE:
         return len(LAYERS) - 1
-    assert best is not None, f"{module} is in no layer of docs/architecture.md"
+    assert best is not None, f"{module} is in no layer of {os.path.relpath(LAYER_DOC, ROOT)}"
     return best
 
 
@@ -217,3 +251,48 @@ def test_each_layer_imports_only_itself_and_the_layers_below():
                     for m, deps in GRAPH.items() for d in deps
                     if d in MODULES and _layer(d) < _layer(m))
     assert not upward, upward
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_over_80_lines():
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module}:{node.name} ({lines} lines)")
+    assert not long, f"split these by job: {sorted(long)}"
+
+
+def test_no_path_edits_anywhere():
+    """Tools, benchmarks and tests import the package and each other as packages
+    (``python -m tools.simulate``); none edits the import path."""
+    needle = "sys.path." + "insert"
+    found = []
+    for folder, _, files in os.walk(ROOT):
+        if any(skip in folder for skip in (".git", ".venv", "__pycache__")):
+            continue
+        for name in files:
+            if name.endswith((".py", ".sh")):
+                path = os.path.join(folder, name)
+                if needle in open(path, errors="replace").read():
+                    found.append(os.path.relpath(path, ROOT))
+    assert not found, found
+
+
+# A config.py (the typed flags of one capability) and a cli.py (the command line of one)
+# do the same job in each folder that has one.
+SHARED_NAMES = {"__init__", "config", "cli"}
+
+
+def test_no_two_modules_share_a_name():
+    by_name = defaultdict(list)
+    for module in MODULES:
+        if MODULES[module].endswith("__init__.py"):
+            continue
+        by_name[module.rpartition(".")[2]].append(module)
+    repeated = {n: ms for n, ms in by_name.items() if len(ms) > 1 and n not in SHARED_NAMES}
+    assert not repeated, f"one name, different jobs: {repeated}"

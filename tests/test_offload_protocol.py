@@ -25,7 +25,7 @@ import torch
 from harness import run_distributed
 from stream_protocol import StreamWorld
 
-from megatron_weipipe.fpdt import attention as fpdt_module
+from megatron_weipipe.fpdt import chunked_attention as fpdt_module
 from megatron_weipipe.fpdt.config import AttentionSpec, FPDTConfig
 from megatron_weipipe.fpdt.offload import ChunkStore, HostBufferPool
 

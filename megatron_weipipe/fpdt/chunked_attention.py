@@ -194,110 +194,17 @@ class FPDTAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        plan, store = ctx.plan, ctx.store
-        spec, group, u = plan.spec, plan.cp_group, plan.num_chunks
-        s_l, b, L, C = ctx.shape
         x, w_qkv, b_qkv, w_proj, b_proj = ctx.saved_tensors
-        dtype = dout.dtype
-        acc = acc_dtype(dtype)
-        kern, scale = plan.kernel, spec.scale
-        need_x, need_wq, need_bq, need_wp, need_bp = ctx.needs_input_grad[:5]
+        need = ctx.needs_input_grad[:5]
+        bwd = _Backward(ctx.plan, ctx.store, ctx.shape, x, w_qkv, b_qkv, w_proj, need, dout)
         dout = dout.contiguous()
-
-        # Phase 1: output projection backward and do of every chunk in head layout.
-        dw_proj = None
-        pend = None
-
-        def finish_do(item):
-            j, p = item
-            store.put("q", j, do=p.wait().permute(1, 2, 0, 3).contiguous())
-
-        for j in range(u):
-            dy = dout[j * L : (j + 1) * L]
-            if need_wp:
-                if j + 1 < u:
-                    store.prefetch("olocal", j + 1)
-                ol = store.get("olocal", j)["o"]
-                dw_proj = accumulate_matmul(dw_proj, dy.flatten(0, 1).t(), ol.flatten(0, 1))
-                del ol
-            store.drop("olocal", j)
-            d_ol = torch.matmul(dy, w_proj).view(L, b, spec.num_heads, spec.head_dim)
-            if pend is not None:
-                finish_do(pend)
-            pend = (j, seq_to_heads_async(d_ol, group, plan.counter))
-            if not plan.overlap:
-                finish_do(pend)
-                pend = None
-        if pend is not None:
-            finish_do(pend)
-        db_proj = dout.sum(dim=(0, 1)) if (b_proj is not None and need_bp) else None
-
-        # Phase 2: KV chunks outer, query chunks inner.
-        dx = torch.empty(s_l, b, w_qkv.shape[1], dtype=dout.dtype, device=dout.device) if need_x else None
-        dw_qkv = None
-        db_qkv = None
-        pend = None
-
-        def finish_qkv(item):
-            nonlocal dw_qkv, db_qkv
-            i, p = item
-            dm = p.wait().reshape(L, b, -1)
-            if need_x:
-                torch.matmul(dm, w_qkv, out=dx[i * L : (i + 1) * L])
-            if need_wq:
-                xi = store.get("x", i)["x"] if plan.offload else x[i * L : (i + 1) * L]
-                dw_qkv = accumulate_matmul(dw_qkv, dm.flatten(0, 1).t(), xi.flatten(0, 1))
-                del xi
-            if b_qkv is not None and need_bq:
-                db_qkv = _add(db_qkv, dm.sum(dim=(0, 1)), acc)
-            store.drop("x", i)
-
-        for i in range(u):
-            if plan.offload and need_wq:
-                store.prefetch("x", i)
-            kv = store.get("kv", i)
-            dk = dv = dq_i = None
-            later = [qi for qi in range(i, u) if plan.kind(qi, i, C) != SKIP]  # always holds i
-            store.prefetch("q", i)
-            for n, qi in enumerate(later):
-                if n + 1 < len(later):
-                    store.prefetch("q", later[n + 1])
-                elif i + 1 < u:
-                    store.prefetch("kv", i + 1)
-                c = store.get("q", qi)
-                rng = (qi * C, (qi + 1) * C, i * C, (i + 1) * C)
-                dq_b, dk_b, dv_b = block_backward(
-                    kern, c["do"], c["q"], kv["k"], kv["v"], c["o"], c["lse"], plan.kind(qi, i, C), plan.docs, rng, scale
-                )
-                dq = _add(c.get("dq"), dq_b, acc)
-                if qi == i:
-                    dq_i = dq
-                else:
-                    store.put("q", qi, dq=dq)
-                dk, dv = _add(dk, dk_b, acc), _add(dv, dv_b, acc)
-                del c, dq, dq_b, dk_b, dv_b
-                store.release("q", qi)
-            del kv
-            store.drop("q", i)
-            store.drop("kv", i)
-            table = _table(spec, i * C, C, dq_i.dtype, dq_i.device)
-            if table is not None:
-                dq_i, dk = apply_rotary_backward(dq_i, table), apply_rotary_backward(dk, table)
-            d_mixed = _join_heads(dq_i, dk, dv, spec, dtype)
-            del dq_i, dk, dv
-            if pend is not None:
-                finish_qkv(pend)
-            pend = (i, heads_to_seq_async(d_mixed, group, plan.counter))
-            del d_mixed
-            if not plan.overlap:
-                finish_qkv(pend)
-                pend = None
-        if pend is not None:
-            finish_qkv(pend)
-        store.close()
+        dw_proj = bwd.output_projection(dout)
+        db_proj = dout.sum(dim=(0, 1)) if (b_proj is not None and need[4]) else None
+        dx, dw_qkv, db_qkv = bwd.qkv_projection()
+        bwd.store.close()
         ctx.store = None
         if dx is not None:
-            all_reduce_(dx, plan.tp_group)
+            all_reduce_(dx, ctx.plan.tp_group)
 
         def cast(t, like):
             return None if t is None else t.to(like.dtype)
@@ -310,6 +217,119 @@ class FPDTAttentionFunction(torch.autograd.Function):
             cast(db_proj, b_proj) if b_proj is not None else None,
             None,
         )
+
+
+class _Backward:
+    """The attention backward in two phases over the chunk store: the output projection
+    (and ``do`` of every chunk in head layout), then KV chunks outer, query chunks inner."""
+
+    def __init__(self, plan: _Plan, store: ChunkStore, shape, x, w_qkv, b_qkv, w_proj, need, dout):
+        self.plan, self.store, self.spec = plan, store, plan.spec
+        self.group, self.u = plan.cp_group, plan.num_chunks
+        self.s_l, self.b, self.L, self.C = shape
+        self.x, self.w_qkv, self.b_qkv, self.w_proj = x, w_qkv, b_qkv, w_proj
+        self.need_x, self.need_wq, self.need_bq, self.need_wp, _ = need
+        self.dtype, self.device, self.acc = dout.dtype, dout.device, acc_dtype(dout.dtype)
+
+    def output_projection(self, dout):
+        """Phase 1: the projection's weight gradient; ``do`` of each chunk into the store."""
+        plan, store, L, b, u = self.plan, self.store, self.L, self.b, self.u
+        dw_proj = None
+        pend = None
+
+        def finish_do(item):
+            j, p = item
+            store.put("q", j, do=p.wait().permute(1, 2, 0, 3).contiguous())
+
+        for j in range(u):
+            dy = dout[j * L : (j + 1) * L]
+            if self.need_wp:
+                if j + 1 < u:
+                    store.prefetch("olocal", j + 1)
+                ol = store.get("olocal", j)["o"]
+                dw_proj = accumulate_matmul(dw_proj, dy.flatten(0, 1).t(), ol.flatten(0, 1))
+                del ol
+            store.drop("olocal", j)
+            d_ol = torch.matmul(dy, self.w_proj).view(L, b, self.spec.num_heads, self.spec.head_dim)
+            if pend is not None:
+                finish_do(pend)
+            pend = (j, seq_to_heads_async(d_ol, self.group, plan.counter))
+            if not plan.overlap:
+                finish_do(pend)
+                pend = None
+        if pend is not None:
+            finish_do(pend)
+        return dw_proj
+
+    def qkv_projection(self):
+        """Phase 2: each KV chunk's q/k/v gradients, back through the QKV projection."""
+        plan, L, b = self.plan, self.L, self.b
+        dx = torch.empty(self.s_l, b, self.w_qkv.shape[1], dtype=self.dtype, device=self.device) if self.need_x else None
+        grads = {"dw_qkv": None, "db_qkv": None}
+        pend = None
+
+        def finish_qkv(item):
+            i, p = item
+            dm = p.wait().reshape(L, b, -1)
+            if self.need_x:
+                torch.matmul(dm, self.w_qkv, out=dx[i * L : (i + 1) * L])
+            if self.need_wq:
+                xi = self.store.get("x", i)["x"] if plan.offload else self.x[i * L : (i + 1) * L]
+                grads["dw_qkv"] = accumulate_matmul(grads["dw_qkv"], dm.flatten(0, 1).t(), xi.flatten(0, 1))
+                del xi
+            if self.b_qkv is not None and self.need_bq:
+                grads["db_qkv"] = _add(grads["db_qkv"], dm.sum(dim=(0, 1)), self.acc)
+            self.store.drop("x", i)
+
+        for i in range(self.u):
+            d_mixed = self.kv_chunk(i)
+            if pend is not None:
+                finish_qkv(pend)
+            pend = (i, heads_to_seq_async(d_mixed, self.group, plan.counter))
+            del d_mixed
+            if not plan.overlap:
+                finish_qkv(pend)
+                pend = None
+        if pend is not None:
+            finish_qkv(pend)
+        return dx, grads["dw_qkv"], grads["db_qkv"]
+
+    def kv_chunk(self, i: int) -> torch.Tensor:
+        """KV chunk ``i`` against every later query chunk: its dk, dv and the finished dq of
+        query chunk ``i``, in the mixed QKV layout."""
+        plan, store, spec, u, C, acc = self.plan, self.store, self.spec, self.u, self.C, self.acc
+        if plan.offload and self.need_wq:
+            store.prefetch("x", i)
+        kv = store.get("kv", i)
+        dk = dv = dq_i = None
+        later = [qi for qi in range(i, u) if plan.kind(qi, i, C) != SKIP]  # always holds i
+        store.prefetch("q", i)
+        for n, qi in enumerate(later):
+            if n + 1 < len(later):
+                store.prefetch("q", later[n + 1])
+            elif i + 1 < u:
+                store.prefetch("kv", i + 1)
+            c = store.get("q", qi)
+            rng = (qi * C, (qi + 1) * C, i * C, (i + 1) * C)
+            dq_b, dk_b, dv_b = block_backward(
+                plan.kernel, c["do"], c["q"], kv["k"], kv["v"], c["o"], c["lse"], plan.kind(qi, i, C), plan.docs, rng,
+                spec.scale,
+            )
+            dq = _add(c.get("dq"), dq_b, acc)
+            if qi == i:
+                dq_i = dq
+            else:
+                store.put("q", qi, dq=dq)
+            dk, dv = _add(dk, dk_b, acc), _add(dv, dv_b, acc)
+            del c, dq, dq_b, dk_b, dv_b
+            store.release("q", qi)
+        del kv
+        store.drop("q", i)
+        store.drop("kv", i)
+        table = _table(spec, i * C, C, dq_i.dtype, dq_i.device)
+        if table is not None:
+            dq_i, dk = apply_rotary_backward(dq_i, table), apply_rotary_backward(dk, table)
+        return _join_heads(dq_i, dk, dv, spec, self.dtype)
 
 
 def fpdt_attention(
