@@ -1,7 +1,7 @@
 """Busy, idle and bubble measured from `--schedule-trace` files (Chrome trace JSON).
 
-Pure Python, like the rest of plan/. The measured bubble is idle / (busy + idle) summed
-over all ranks, over every traced iteration except the first (warm-up: allocation,
+Pure Python, like the rest of the schedule data. The measured bubble is idle / (busy +
+idle) summed over all ranks, over every traced iteration except the first (warm-up: allocation,
 first-touch), excluding the optimizer step. An iteration's window is the same for all
 ranks: from the earliest start to the latest end of that iteration's `iteration` event
 on any rank (timestamps are wall-clock, so this holds for ranks of one host). The
