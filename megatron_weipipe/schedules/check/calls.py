@@ -3,20 +3,39 @@
 With `overlap_p2p_comm` off (megatron-core's default and the trainer's), every p2p call
 (`recv_forward`, `send_forward_recv_backward`, `send_forward_backward_recv_forward_backward`,
 ...) posts its operations together and waits for all of them, sends included, before the
-rank computes again. The NCCL check (posts.py) and the timed replay (events.py) both
-group a list's SEND/RECV actions into these calls here.
+rank computes again. The NCCL check (ir/posts.py) and the timed replay
+(timing/replay.py) both group a list's SEND/RECV actions into these calls here.
 
-A step is ("one", i), action i alone, or ("group", [i, ...]), one call.
+A step is `OneAction(i)`, action i alone, or `P2PCall((i, ...))`, one call.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Union
 
 from megatron_weipipe.schedules.ir.actions import Action, Kind
 
 
-def megatron_calls(acts: tuple[Action, ...], interleaved: bool) -> list:
+@dataclass(frozen=True)
+class OneAction:
+    """Action `index` of the rank's list, on its own."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class P2PCall:
+    """One p2p call: the SEND/RECV actions `ops` posted together and all waited for."""
+
+    ops: tuple[int, ...]
+
+
+CallStep = Union[OneAction, P2PCall]
+
+
+def megatron_calls(acts: tuple[Action, ...], interleaved: bool) -> list[CallStep]:
     """The rank's steps. 1F1B: a run of messages splits where a flow repeats
     (recv_forward, then send_forward_recv_backward, ...). Interleaved: one call after
     each warm-up forward, after each steady-state forward+backward pair and after each
@@ -54,35 +73,36 @@ def megatron_calls(acts: tuple[Action, ...], interleaved: bool) -> list:
         elif i not in owner:
             prv = next(j for j in range(i - 1, -1, -1) if j in owner)
             extra[prv].append(i)
-    out = []
+    out: list[CallStep] = []
     if recvs_for[0]:
-        out.append(("group", recvs_for[0]))
+        out.append(P2PCall(tuple(recvs_for[0])))
     for u, idx in enumerate(units):
         for i in idx:
-            out.append(("one", i))
-            out.extend(("one", j) for j in extra[i])
+            out.append(OneAction(i))
+            out.extend(OneAction(j) for j in extra[i])
         if warmup == n_f and u == n_f - 1:  # all forwards in warm-up: recv_backward is its own call
-            out.extend(("group", c) for c in (sends_of[u], recvs_for[u + 1]) if c)
+            out.extend(P2PCall(tuple(c)) for c in (sends_of[u], recvs_for[u + 1]) if c)
             continue
         call = sends_of[u] + recvs_for[u + 1]
         if call:
-            out.append(("group", call))
+            out.append(P2PCall(tuple(call)))
     return out
 
 
-def _one_f_one_b_calls(acts: tuple[Action, ...]) -> list:
-    steps, group = [], []
+def _one_f_one_b_calls(acts: tuple[Action, ...]) -> list[CallStep]:
+    steps: list[CallStep] = []
+    group: list[int] = []
     for i, a in enumerate(acts):
         if a.kind in (Kind.SEND, Kind.RECV):
             if group and acts[group[-1]].flow == a.flow:
-                steps.append(("group", group))
+                steps.append(P2PCall(tuple(group)))
                 group = []
             group.append(i)
             continue
         if group:
-            steps.append(("group", group))
+            steps.append(P2PCall(tuple(group)))
             group = []
-        steps.append(("one", i))
+        steps.append(OneAction(i))
     if group:
-        steps.append(("group", group))
+        steps.append(P2PCall(tuple(group)))
     return steps

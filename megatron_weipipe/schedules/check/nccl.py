@@ -13,155 +13,190 @@ What NCCL does, as torch's ProcessGroupNCCL drives it:
   posted after it, which first waits for the compute stream); here the host blocks.
 - the first batch on a group creates its communicator, collectively: every rank of the
   group must reach its first batch.
-The walker reports the first deadlock (every blocked rank and what it waits for) and any
+These are the rules the walker (walker.py) runs the programs under; they report the first deadlock (every blocked rank and what it waits for) and any
 message NCCL would pair differently from the tag-based intent (silent corruption).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
-from megatron_weipipe.schedules.ir.actions import Action, Kind, Schedule, ScheduleError
+from megatron_weipipe.schedules.ir.actions import Kind, Schedule, ScheduleError
 from megatron_weipipe.schedules.ir.posts import Post, Step, Wait, pair_messages
+from megatron_weipipe.schedules.check.walker import Visit, run_to_end
 
-Visit = Callable[[Action, Optional[Action]], None]
-
-
-def _comm(rank: int, peer: int, post: Post) -> tuple:
-    if post.batched:
-        return ("batch", post.group)
-    return ("pair", post.group, min(rank, peer), max(rank, peer))
+Op = tuple[int, int]  # (rank, action index) of a SEND or RECV
 
 
-def _describe(comm: tuple) -> str:
-    if comm[0] == "batch":
-        return f"the {comm[1]} group's communicator"
-    return f"the {comm[1]} pair communicator of ranks {comm[2]} and {comm[3]}"
+@dataclass(frozen=True)
+class Communicator:
+    """A batch runs on its group's communicator (`pair` None), a single operation on the
+    communicator of its pair of ranks within the group."""
+
+    group: str
+    pair: Optional[tuple[int, int]] = None
+
+    @staticmethod
+    def of(rank: int, peer: int, post: Post) -> "Communicator":
+        return Communicator(post.group) if post.batched else Communicator(post.group, (min(rank, peer), max(rank, peer)))
+
+    def describe(self) -> str:
+        if self.pair is None:
+            return f"the {self.group} group's communicator"
+        return f"the {self.group} pair communicator of ranks {self.pair[0]} and {self.pair[1]}"
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What NCCL runs as one: a single operation or a whole batch."""
+
+    rank: int
+    ops: tuple[int, ...]
+    comm: Communicator
+
+
+class NcclRules:
+    """NCCL's point-to-point rules over per-rank post programs (posts.py)."""
+
+    def __init__(self, schedule: Schedule, programs: Sequence[list[Step]], visit: Optional[Visit] = None):
+        self.schedule = schedule
+        self.num_ranks = schedule.num_ranks
+        self.lists = schedule.ranks
+        self.programs = programs
+        self.visit = visit or (lambda a, m: None)
+        self.intended = pair_messages(schedule)
+        self.pc = [0] * self.num_ranks
+        self.unit_of: dict[Op, int] = {}  # op -> unit id
+        self.units: list[_Unit] = []
+        self.streams: dict[tuple[int, Communicator], deque[int]] = defaultdict(deque)  # unit ids per stream
+        self.posted: dict[tuple, list[Op]] = defaultdict(list)  # (src, dst, comm, 'S'|'R') -> ops in order
+        self.partner: dict[Op, Op] = {}
+        self.arrived: dict[str, set[int]] = defaultdict(set)  # batch group -> ranks at their first batch
+        self.done_units: set[int] = set()
+
+    # ------------------------------------------------------------------ walker rules
+
+    def step(self, r: int) -> bool:
+        prog = self.programs[r]
+        if self.pc[r] >= len(prog):
+            return False
+        step = prog[self.pc[r]]
+        if isinstance(step, Post):
+            if not self._post(r, step):
+                return False
+        elif isinstance(step, Wait):
+            if not all(self._is_done(r, i) for i in step.ops):
+                return False
+        else:
+            a = self.lists[r][step]
+            if a.kind is Kind.RECV:
+                if not self._is_done(r, step):
+                    return False
+                s = self.partner[(r, step)]
+                self.visit(a, self.lists[s[0]][s[1]])
+            else:
+                self.visit(a, None)
+        self.pc[r] += 1
+        return True
+
+    def settle(self) -> bool:
+        """Complete every stream head whose operations all met their partners at a head."""
+        heads = {q[0] for q in self.streams.values() if q}
+        finished = [u for u in heads if all(self._met_at_head(self.units[u].rank, i, heads) for i in self.units[u].ops)]
+        for u in finished:
+            self.done_units.add(u)
+            self.streams[(self.units[u].rank, self.units[u].comm)].popleft()
+        return bool(finished)
+
+    def done(self) -> bool:
+        return (all(pc == len(prog) for pc, prog in zip(self.pc, self.programs))
+                and len(self.done_units) == len(self.units))
+
+    def deadlock(self) -> ScheduleError:
+        stuck = [self._blocked_at(r) for r in range(self.num_ranks)
+                 if self.pc[r] < len(self.programs[r]) or self._open_ops(r)]
+        return ScheduleError(f"{self.schedule.name} P={self.num_ranks}: deadlock under NCCL semantics: "
+                             + "; ".join(stuck))
+
+    def finish(self) -> None:
+        missing = [a for r, acts in enumerate(self.lists) for i, a in enumerate(acts)
+                   if a.kind in (Kind.SEND, Kind.RECV) and (r, i) not in self.unit_of]
+        if missing:
+            raise ScheduleError(f"{missing[0]}: never posted")
+
+    # ------------------------------------------------------------------ posting and pairing
+
+    def _post(self, r: int, step: Post) -> bool:
+        if step.batched:
+            self.arrived[step.group].add(r)
+            if len(self.arrived[step.group]) < self.num_ranks:
+                return False  # communicator creation waits for every rank
+        for ops in ([step.ops] if step.batched else [(i,) for i in step.ops]):
+            uid = len(self.units)
+            comms = {self._post_op(r, i, step, uid) for i in ops}
+            self.units.append(_Unit(r, ops, comms.pop()))
+            self.streams[(r, self.units[-1].comm)].append(uid)
+        return True
+
+    def _post_op(self, r: int, i: int, step: Post, uid: int) -> Communicator:
+        a = self.lists[r][i]
+        if a.kind not in (Kind.SEND, Kind.RECV):
+            raise ScheduleError(f"{a}: posted as a message")
+        if (r, i) in self.unit_of:
+            raise ScheduleError(f"{a}: posted twice")
+        c = Communicator.of(r, a.peer, step)
+        self.unit_of[(r, i)] = uid
+        src, dst = (r, a.peer) if a.kind is Kind.SEND else (a.peer, r)
+        mine, other = ("S", "R") if a.kind is Kind.SEND else ("R", "S")
+        k = len(self.posted[(src, dst, c, mine)])
+        self.posted[(src, dst, c, mine)].append((r, i))
+        theirs = self.posted[(src, dst, c, other)]
+        if k < len(theirs):
+            self._pair(theirs[k], (r, i))
+        return c
+
+    def _pair(self, x: Op, y: Op) -> None:
+        s, rv = (x, y) if self.lists[x[0]][x[1]].kind is Kind.SEND else (y, x)
+        if self.intended.get(s) != rv:
+            raise ScheduleError(
+                f"NCCL pairs {self.lists[s[0]][s[1]]} with {self.lists[rv[0]][rv[1]]} (tags are ignored, order on "
+                "the communicator decides), but the schedule means them for other messages")
+        self.partner[s], self.partner[rv] = rv, s
+
+    def _met_at_head(self, r: int, i: int, heads: set[int]) -> bool:
+        """Op (r, i) has its partner, and the partner's unit is at the head of its stream."""
+        p = self.partner.get((r, i))
+        return p is not None and self.unit_of[p] in heads
+
+    def _is_done(self, r: int, i: int) -> bool:
+        u = self.unit_of.get((r, i))
+        return u is not None and u in self.done_units
+
+    def _open_ops(self, r: int) -> list[int]:
+        """Rank r's posted operations not yet complete."""
+        return [i for (rr, i) in self.unit_of if rr == r and not self._is_done(rr, i)]
+
+    def _blocked_at(self, r: int) -> str:
+        step = self.programs[r][self.pc[r]] if self.pc[r] < len(self.programs[r]) else None
+        if isinstance(step, Post):
+            return f"rank {r} waits for every rank to reach its first batch on the {step.group} group"
+        ops = (step,) if isinstance(step, int) else (step.ops if step is not None else
+                                                    tuple(i for (rr, i) in self.unit_of if rr == r))
+        for i in ops:
+            if not self._is_done(r, i):
+                a = self.lists[r][i]
+                u = self.unit_of.get((r, i))
+                if u is None:
+                    return f"rank {r} waits at {a}, never posted"
+                head = self.streams[(r, self.units[u].comm)][0]
+                ahead = "" if head == u else f" behind {self.lists[r][self.units[head].ops[0]]}"
+                return f"rank {r} waits at {a} on {self.units[u].comm.describe()}{ahead}"
+        return f"rank {r} is blocked"
 
 
 def nccl_walk(schedule: Schedule, programs: Sequence[list[Step]], visit: Optional[Visit] = None) -> None:
     """Execute `programs[r]` (rank r's steps) under NCCL semantics; `visit(action,
     matched_send)` is called in an order the ranks could run them. Raises ScheduleError."""
-    P = schedule.num_ranks
-    lists = schedule.ranks
-    intended = pair_messages(schedule)
-    visit = visit or (lambda a, m: None)
-    pc = [0] * P
-    unit_of: dict[tuple[int, int], int] = {}  # (rank, action index) -> unit id
-    units: list[dict] = []
-    streams: dict[tuple, deque] = defaultdict(deque)  # (rank, comm) -> unit ids
-    posted: dict[tuple, list] = defaultdict(list)  # (src, dst, comm, 'S'|'R') -> [(rank, index)]
-    partner: dict[tuple[int, int], tuple[int, int]] = {}
-    arrived: dict[str, set] = defaultdict(set)  # batch group -> ranks at their first batch
-    done_units: set[int] = set()
-
-    def post(r: int, step: Post) -> bool:
-        if step.batched and r not in arrived[step.group]:
-            arrived[step.group].add(r)
-        if step.batched and len(arrived[step.group]) < P:
-            return False  # communicator creation waits for every rank
-        groups = [step.ops] if step.batched else [(i,) for i in step.ops]
-        for ops in groups:
-            uid = len(units)
-            comms = set()
-            for i in ops:
-                a = lists[r][i]
-                if a.kind not in (Kind.SEND, Kind.RECV):
-                    raise ScheduleError(f"{a}: posted as a message")
-                if (r, i) in unit_of:
-                    raise ScheduleError(f"{a}: posted twice")
-                c = _comm(r, a.peer, step)
-                comms.add(c)
-                unit_of[(r, i)] = uid
-                src, dst = (r, a.peer) if a.kind is Kind.SEND else (a.peer, r)
-                mine, other = ("S", "R") if a.kind is Kind.SEND else ("R", "S")
-                k = len(posted[(src, dst, c, mine)])
-                posted[(src, dst, c, mine)].append((r, i))
-                theirs = posted[(src, dst, c, other)]
-                if k < len(theirs):
-                    _pair(theirs[k], (r, i))
-            units.append({"rank": r, "ops": ops, "comm": comms.pop()})
-            streams[(r, units[-1]["comm"])].append(uid)
-        return True
-
-    def _pair(x: tuple[int, int], y: tuple[int, int]) -> None:
-        s, rv = (x, y) if lists[x[0]][x[1]].kind is Kind.SEND else (y, x)
-        if intended.get(s) != rv:
-            raise ScheduleError(
-                f"NCCL pairs {lists[s[0]][s[1]]} with {lists[rv[0]][rv[1]]} (tags are ignored, order on "
-                "the communicator decides), but the schedule means them for other messages")
-        partner[s], partner[rv] = rv, s
-
-    def is_done(r: int, i: int) -> bool:
-        u = unit_of.get((r, i))
-        return u is not None and u in done_units
-
-    def complete() -> bool:
-        heads = {q[0] for q in streams.values() if q}
-        finished = []
-        for u in heads:
-            ok = True
-            for i in units[u]["ops"]:
-                p = partner.get((units[u]["rank"], i))
-                if p is None or unit_of[p] not in heads:
-                    ok = False
-                    break
-            if ok:
-                finished.append(u)
-        for u in finished:
-            done_units.add(u)
-            streams[(units[u]["rank"], units[u]["comm"])].popleft()
-        return bool(finished)
-
-    def blocked_at(r: int) -> str:
-        step = programs[r][pc[r]] if pc[r] < len(programs[r]) else None
-        if isinstance(step, Post):
-            return f"rank {r} waits for every rank to reach its first batch on the {step.group} group"
-        ops = (step,) if isinstance(step, int) else (step.ops if step is not None else
-                                                    tuple(i for (rr, i) in unit_of if rr == r))
-        for i in ops:
-            if not is_done(r, i):
-                a = lists[r][i]
-                u = unit_of.get((r, i))
-                if u is None:
-                    return f"rank {r} waits at {a}, never posted"
-                head = streams[(r, units[u]['comm'])][0]
-                ahead = "" if head == u else f" behind {lists[r][units[head]['ops'][0]]}"
-                return f"rank {r} waits at {a} on {_describe(units[u]['comm'])}{ahead}"
-        return f"rank {r} is blocked"
-
-    while True:
-        progressed = False
-        for r in range(P):
-            prog = programs[r]
-            while pc[r] < len(prog):
-                step = prog[pc[r]]
-                if isinstance(step, Post):
-                    if not post(r, step):
-                        break
-                elif isinstance(step, Wait):
-                    if not all(is_done(r, i) for i in step.ops):
-                        break
-                else:
-                    a = lists[r][step]
-                    if a.kind is Kind.RECV:
-                        if not is_done(r, step):
-                            break
-                        s = partner[(r, step)]
-                        visit(a, lists[s[0]][s[1]])
-                    else:
-                        visit(a, None)
-                pc[r] += 1
-                progressed = True
-        progressed = complete() or progressed
-        if all(pc[r] == len(programs[r]) for r in range(P)) and len(done_units) == len(units):
-            break
-        if not progressed:
-            stuck = [blocked_at(r) for r in range(P)
-                     if pc[r] < len(programs[r]) or any(not is_done(rr, i) for (rr, i) in unit_of if rr == r)]
-            raise ScheduleError(f"{schedule.name} P={P}: deadlock under NCCL semantics: " + "; ".join(stuck))
-    missing = [a for r in range(P) for i, a in enumerate(lists[r])
-               if a.kind in (Kind.SEND, Kind.RECV) and (r, i) not in unit_of]
-    if missing:
-        raise ScheduleError(f"{missing[0]}: never posted")
+    run_to_end(NcclRules(schedule, programs, visit))

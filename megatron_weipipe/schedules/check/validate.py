@@ -26,6 +26,7 @@ from megatron_weipipe.schedules.ir.actions import (
     ScheduleError,
 )
 from megatron_weipipe.schedules.check.execution import walk
+from megatron_weipipe.schedules.check.walker import Visit
 
 
 @dataclass(frozen=True)
@@ -138,185 +139,261 @@ def validate(schedule: Schedule, *, check_direction: bool = True, semantics: str
     `semantics="nccl"` executes the lists as posted by `order` (posts.py) under NCCL's
     rules (nccl.py) instead of gloo's buffered sends.
     """
-    how = dict(semantics=semantics, order=order, lookahead=lookahead)
     _check_tags(schedule)
     _check_ticks(schedule)
-    if schedule.family != "weipipe":
-        _validate_activation_pipeline(schedule, how)
-        return
-    P, G = schedule.num_ranks, schedule.microbatches
-    states = [_RankState(schedule, r) for r in range(P)]
-    in_flight: dict[int, object] = {}
-    owner_acc: dict[int, Counter] = {c: Counter() for c in range(schedule.num_chunks)}
-    owner_steps: set[int] = set()
+    checker = (_RingChecker(schedule, check_direction) if schedule.family == "weipipe"
+               else _ActivationChecker(schedule))
+    walk(schedule, checker.visit, semantics=semantics, order=order, lookahead=lookahead)
+    checker.finish()
 
-    def visit(a: Action, matched: Optional[Action]) -> None:
-        st = states[a.rank]
+
+class _RingChecker:
+    """WeiPipe lists: symbolic buffer contents, one handler per action kind."""
+
+    def __init__(self, schedule: Schedule, check_direction: bool):
+        self.schedule = schedule
+        self.check_direction = check_direction
+        self.P, self.G = schedule.num_ranks, schedule.microbatches
+        self.states = [_RankState(schedule, r) for r in range(self.P)]
+        self.in_flight: dict[int, object] = {}  # id(SEND) -> the contents it carries
+        self.owner_acc: dict[int, Counter] = {c: Counter() for c in range(schedule.num_chunks)}
+        self.owner_steps: set[int] = set()
+        self.handlers: dict[Kind, Visit] = {
+            Kind.LOAD: self._on_load,
+            Kind.DROP: self._on_drop,
+            Kind.GRAD_INIT: self._on_grad_init,
+            Kind.SEND: self._on_send,
+            Kind.RECV: self._on_recv,
+            Kind.FORWARD: self._on_forward,
+            Kind.LOSS: self._on_loss,
+            Kind.BACKWARD: self._on_backward,
+            Kind.BACKWARD_INPUT: self._on_backward,
+            Kind.BACKWARD_WEIGHT: self._on_backward_weight,
+            Kind.ACCUMULATE_GRAD: self._on_accumulate_grad,
+            Kind.OPTIMIZER_STEP: self._on_optimizer_step,
+        }
+
+    def visit(self, a: Action, matched: Optional[Action]) -> None:
         k = a.kind
-        if k in COMPUTE_KINDS and k is not Kind.LOSS and not 0 <= a.chunk < schedule.num_chunks:
+        if k in COMPUTE_KINDS and k is not Kind.LOSS and not 0 <= a.chunk < self.schedule.num_chunks:
             raise ScheduleError(f"{a}: chunk {a.chunk} out of range")
-        if k in COMPUTE_KINDS and not 0 <= a.mb < G:
-            raise ScheduleError(f"{a}: microbatch {a.mb} out of range 0..{G - 1}")
-        if k is Kind.LOAD:
-            if a.rank != a.chunk:
-                raise ScheduleError(f"{a}: rank {a.rank} loads chunk {a.chunk}, which it does not own")
-            if a.chunk in owner_steps:
-                raise ScheduleError(f"{a}: loads chunk {a.chunk} after its optimizer step")
-            st.put(a, a.buffer, _Weights(a.chunk))
-        elif k is Kind.DROP:
-            got = st.holds(a, a.buffer)
-            if got is None:
-                raise ScheduleError(f"{a}: drops an empty buffer")
-            if isinstance(got, _Grad):
-                raise ScheduleError(f"{a}: drops {got}; gradients must reach their owner")
-            st.buffers[a.buffer] = None
-        elif k is Kind.GRAD_INIT:
-            st.put(a, a.buffer, _Grad(a.chunk))
-        elif k is Kind.SEND:
-            got = st.holds(a, a.buffer)
-            if got is None:
-                raise ScheduleError(f"{a}: sends an empty buffer")
-            if got.chunk != a.chunk:
-                raise ScheduleError(f"{a}: announces chunk {a.chunk} but buffer {a.buffer} holds {got}")
-            in_flight[id(a)] = got
-            st.buffers[a.buffer] = None
-        elif k is Kind.RECV:
-            got = in_flight.pop(id(matched))
-            if matched.flow is not a.flow:
-                raise ScheduleError(f"{a}: receives a {matched.flow.value} message sent by {matched}")
-            if a.flow in RING_FLOWS:
-                if check_direction and a.rank != (matched.rank + 1) % P:
-                    raise ScheduleError(
-                        f"{a}: ring flow {a.flow.value} must move r -> r+1, but came from rank {matched.rank}"
-                    )
-                if check_direction and a.tick != matched.tick + 1:
-                    raise ScheduleError(f"{a}: a ring hop takes one tick, but it was sent at tick {matched.tick}")
-            if a.tick < matched.tick:
-                raise ScheduleError(f"{a}: received at an earlier tick than sent by {matched}")
-            if got.chunk != a.chunk:
-                raise ScheduleError(f"{a}: expects chunk {a.chunk} but the message carries {got}")
-            if a.buffer is None or (isinstance(got, _Grad)) != (a.buffer.flow is Flow.GRADS):
-                raise ScheduleError(f"{a}: {got} cannot land in buffer {a.buffer}")
-            st.put(a, a.buffer, got)
-        elif k is Kind.FORWARD:
-            st.weights(a)
-            if (a.mb, a.chunk) in st.forward_done:
-                raise ScheduleError(f"{a}: forward of microbatch {a.mb} chunk {a.chunk} runs twice")
-            if a.chunk > 0 and (a.mb, a.chunk - 1) not in st.forward_done:
-                raise ScheduleError(f"{a}: runs before the forward of chunk {a.chunk - 1} of that microbatch")
-            st.forward_done.add((a.mb, a.chunk))
-        elif k is Kind.LOSS:
-            if (a.mb, schedule.num_chunks - 1) not in st.forward_done:
-                raise ScheduleError(f"{a}: loss before the last chunk's forward")
-            if a.mb in st.loss_done:
-                raise ScheduleError(f"{a}: loss computed twice")
-            st.loss_done.add(a.mb)
-        elif k in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-            st.weights(a)
-            key = (a.mb, a.chunk)
-            if key not in st.forward_done:
-                raise ScheduleError(f"{a}: backward before its forward on rank {a.rank}")
-            if key in st.input_grad_done:
-                raise ScheduleError(f"{a}: backward of microbatch {a.mb} chunk {a.chunk} runs twice")
-            above = a.mb in st.loss_done if a.chunk == schedule.num_chunks - 1 else (a.mb, a.chunk + 1) in st.input_grad_done
-            if not above:
-                raise ScheduleError(f"{a}: runs before the gradient from above (loss or chunk {a.chunk + 1}) exists")
-            st.input_grad_done.add(key)
-            if k is Kind.BACKWARD:
-                st.add_grad(a, owner_steps)
-                st.weight_grad_done.add(key)
-        elif k is Kind.BACKWARD_WEIGHT:
-            key = (a.mb, a.chunk)
-            if key not in st.input_grad_done:
-                raise ScheduleError(f"{a}: weight gradient before the input-gradient pass of that chunk")
-            if key in st.weight_grad_done:
-                raise ScheduleError(f"{a}: weight gradient computed twice")
-            st.add_grad(a, owner_steps)
-            st.weight_grad_done.add(key)
-        elif k is Kind.ACCUMULATE_GRAD:
-            got = st.holds(a, a.buffer)
-            if not isinstance(got, _Grad) or got.chunk != a.chunk:
-                raise ScheduleError(f"{a}: expects the gradient of chunk {a.chunk}, buffer holds {got}")
-            if a.rank != a.chunk:
-                raise ScheduleError(f"{a}: rank {a.rank} is not the owner of chunk {a.chunk}")
-            if a.chunk in owner_steps:
-                raise ScheduleError(f"{a}: gradient arrives after the optimizer step of chunk {a.chunk}")
-            owner_acc[a.chunk].update(got.parts)
-            st.buffers[a.buffer] = None
-        elif k is Kind.OPTIMIZER_STEP:
-            if a.rank != a.chunk:
-                raise ScheduleError(f"{a}: rank {a.rank} steps chunk {a.chunk}, which it does not own")
-            if a.chunk in owner_steps:
-                raise ScheduleError(f"{a}: second optimizer step of chunk {a.chunk}")
-            want = Counter({(r, m): 1 for r in range(P) for m in range(G)})
-            have = owner_acc[a.chunk]
-            if have != want:
-                missing = sorted(set(want) - set(have))
-                extra = sorted(key for key, n in have.items() if n > want.get(key, 0))
-                raise ScheduleError(
-                    f"{a}: chunk {a.chunk}'s gradient is incomplete at its owner: missing (rank, mb) "
-                    f"{missing[:6]}{'...' if len(missing) > 6 else ''}, counted more than once {extra[:6]}"
-                )
-            owner_steps.add(a.chunk)
-        else:
+        if k in COMPUTE_KINDS and not 0 <= a.mb < self.G:
+            raise ScheduleError(f"{a}: microbatch {a.mb} out of range 0..{self.G - 1}")
+        handler = self.handlers.get(k)
+        if handler is None:
             raise ScheduleError(f"{a}: unknown action kind")
+        handler(a, matched)
 
-    walk(schedule, visit, **how)
-    for c in range(schedule.num_chunks):
-        if c not in owner_steps:
-            raise ScheduleError(f"chunk {c} never reaches its optimizer step on rank {c}")
-    for st in states:
-        want = {(m, c) for m in range(G) for c in range(schedule.num_chunks)}
-        for name, done in (("forward", st.forward_done), ("input gradient", st.input_grad_done),
-                           ("weight gradient", st.weight_grad_done)):
-            if done != want:
-                missing = sorted(want - done)
-                raise ScheduleError(f"rank {st.rank} never runs the {name} of (mb, chunk) {missing[:6]}")
-        if len(st.loss_done) != G:
-            raise ScheduleError(f"rank {st.rank} computes {len(st.loss_done)} losses, expected {G}")
-        live = {str(b): str(c) for b, c in st.buffers.items() if c is not None}
-        if live:
-            raise ScheduleError(f"rank {st.rank} ends with live buffers {live}")
+    # ------------------------------------------------------------------ buffers
+
+    def _on_load(self, a: Action, matched: Optional[Action]) -> None:
+        if a.rank != a.chunk:
+            raise ScheduleError(f"{a}: rank {a.rank} loads chunk {a.chunk}, which it does not own")
+        if a.chunk in self.owner_steps:
+            raise ScheduleError(f"{a}: loads chunk {a.chunk} after its optimizer step")
+        self.states[a.rank].put(a, a.buffer, _Weights(a.chunk))
+
+    def _on_drop(self, a: Action, matched: Optional[Action]) -> None:
+        st = self.states[a.rank]
+        got = st.holds(a, a.buffer)
+        if got is None:
+            raise ScheduleError(f"{a}: drops an empty buffer")
+        if isinstance(got, _Grad):
+            raise ScheduleError(f"{a}: drops {got}; gradients must reach their owner")
+        st.buffers[a.buffer] = None
+
+    def _on_grad_init(self, a: Action, matched: Optional[Action]) -> None:
+        self.states[a.rank].put(a, a.buffer, _Grad(a.chunk))
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_send(self, a: Action, matched: Optional[Action]) -> None:
+        st = self.states[a.rank]
+        got = st.holds(a, a.buffer)
+        if got is None:
+            raise ScheduleError(f"{a}: sends an empty buffer")
+        if got.chunk != a.chunk:
+            raise ScheduleError(f"{a}: announces chunk {a.chunk} but buffer {a.buffer} holds {got}")
+        self.in_flight[id(a)] = got
+        st.buffers[a.buffer] = None
+
+    def _on_recv(self, a: Action, matched: Optional[Action]) -> None:
+        got = self.in_flight.pop(id(matched))
+        if matched.flow is not a.flow:
+            raise ScheduleError(f"{a}: receives a {matched.flow.value} message sent by {matched}")
+        if a.flow in RING_FLOWS and self.check_direction:
+            if a.rank != (matched.rank + 1) % self.P:
+                raise ScheduleError(
+                    f"{a}: ring flow {a.flow.value} must move r -> r+1, but came from rank {matched.rank}"
+                )
+            if a.tick != matched.tick + 1:
+                raise ScheduleError(f"{a}: a ring hop takes one tick, but it was sent at tick {matched.tick}")
+        if a.tick < matched.tick:
+            raise ScheduleError(f"{a}: received at an earlier tick than sent by {matched}")
+        if got.chunk != a.chunk:
+            raise ScheduleError(f"{a}: expects chunk {a.chunk} but the message carries {got}")
+        if a.buffer is None or (isinstance(got, _Grad)) != (a.buffer.flow is Flow.GRADS):
+            raise ScheduleError(f"{a}: {got} cannot land in buffer {a.buffer}")
+        self.states[a.rank].put(a, a.buffer, got)
+
+    # ------------------------------------------------------------------ compute
+
+    def _on_forward(self, a: Action, matched: Optional[Action]) -> None:
+        st = self.states[a.rank]
+        st.weights(a)
+        if (a.mb, a.chunk) in st.forward_done:
+            raise ScheduleError(f"{a}: forward of microbatch {a.mb} chunk {a.chunk} runs twice")
+        if a.chunk > 0 and (a.mb, a.chunk - 1) not in st.forward_done:
+            raise ScheduleError(f"{a}: runs before the forward of chunk {a.chunk - 1} of that microbatch")
+        st.forward_done.add((a.mb, a.chunk))
+
+    def _on_loss(self, a: Action, matched: Optional[Action]) -> None:
+        st = self.states[a.rank]
+        if (a.mb, self.schedule.num_chunks - 1) not in st.forward_done:
+            raise ScheduleError(f"{a}: loss before the last chunk's forward")
+        if a.mb in st.loss_done:
+            raise ScheduleError(f"{a}: loss computed twice")
+        st.loss_done.add(a.mb)
+
+    def _on_backward(self, a: Action, matched: Optional[Action]) -> None:
+        """BACKWARD and BACKWARD_INPUT: the input gradient (and, for BACKWARD, the weight's)."""
+        st = self.states[a.rank]
+        st.weights(a)
+        key = (a.mb, a.chunk)
+        if key not in st.forward_done:
+            raise ScheduleError(f"{a}: backward before its forward on rank {a.rank}")
+        if key in st.input_grad_done:
+            raise ScheduleError(f"{a}: backward of microbatch {a.mb} chunk {a.chunk} runs twice")
+        last = a.chunk == self.schedule.num_chunks - 1
+        above = a.mb in st.loss_done if last else (a.mb, a.chunk + 1) in st.input_grad_done
+        if not above:
+            raise ScheduleError(f"{a}: runs before the gradient from above (loss or chunk {a.chunk + 1}) exists")
+        st.input_grad_done.add(key)
+        if a.kind is Kind.BACKWARD:
+            st.add_grad(a, self.owner_steps)
+            st.weight_grad_done.add(key)
+
+    def _on_backward_weight(self, a: Action, matched: Optional[Action]) -> None:
+        st = self.states[a.rank]
+        key = (a.mb, a.chunk)
+        if key not in st.input_grad_done:
+            raise ScheduleError(f"{a}: weight gradient before the input-gradient pass of that chunk")
+        if key in st.weight_grad_done:
+            raise ScheduleError(f"{a}: weight gradient computed twice")
+        st.add_grad(a, self.owner_steps)
+        st.weight_grad_done.add(key)
+
+    # ------------------------------------------------------------------ the owner
+
+    def _on_accumulate_grad(self, a: Action, matched: Optional[Action]) -> None:
+        st = self.states[a.rank]
+        got = st.holds(a, a.buffer)
+        if not isinstance(got, _Grad) or got.chunk != a.chunk:
+            raise ScheduleError(f"{a}: expects the gradient of chunk {a.chunk}, buffer holds {got}")
+        if a.rank != a.chunk:
+            raise ScheduleError(f"{a}: rank {a.rank} is not the owner of chunk {a.chunk}")
+        if a.chunk in self.owner_steps:
+            raise ScheduleError(f"{a}: gradient arrives after the optimizer step of chunk {a.chunk}")
+        self.owner_acc[a.chunk].update(got.parts)
+        st.buffers[a.buffer] = None
+
+    def _on_optimizer_step(self, a: Action, matched: Optional[Action]) -> None:
+        if a.rank != a.chunk:
+            raise ScheduleError(f"{a}: rank {a.rank} steps chunk {a.chunk}, which it does not own")
+        if a.chunk in self.owner_steps:
+            raise ScheduleError(f"{a}: second optimizer step of chunk {a.chunk}")
+        want = Counter({(r, m): 1 for r in range(self.P) for m in range(self.G)})
+        have = self.owner_acc[a.chunk]
+        if have != want:
+            missing = sorted(set(want) - set(have))
+            extra = sorted(key for key, n in have.items() if n > want.get(key, 0))
+            raise ScheduleError(
+                f"{a}: chunk {a.chunk}'s gradient is incomplete at its owner: missing (rank, mb) "
+                f"{missing[:6]}{'...' if len(missing) > 6 else ''}, counted more than once {extra[:6]}"
+            )
+        self.owner_steps.add(a.chunk)
+
+    # ------------------------------------------------------------------ the end
+
+    def finish(self) -> None:
+        for c in range(self.schedule.num_chunks):
+            if c not in self.owner_steps:
+                raise ScheduleError(f"chunk {c} never reaches its optimizer step on rank {c}")
+        want = {(m, c) for m in range(self.G) for c in range(self.schedule.num_chunks)}
+        for st in self.states:
+            for name, done in (("forward", st.forward_done), ("input gradient", st.input_grad_done),
+                               ("weight gradient", st.weight_grad_done)):
+                if done != want:
+                    missing = sorted(want - done)
+                    raise ScheduleError(f"rank {st.rank} never runs the {name} of (mb, chunk) {missing[:6]}")
+            if len(st.loss_done) != self.G:
+                raise ScheduleError(f"rank {st.rank} computes {len(st.loss_done)} losses, expected {self.G}")
+            live = {str(b): str(c) for b, c in st.buffers.items() if c is not None}
+            if live:
+                raise ScheduleError(f"rank {st.rank} ends with live buffers {live}")
 
 
-def _validate_activation_pipeline(schedule: Schedule, how: dict) -> None:
+class _ActivationChecker:
     """Megatron timelines: each stage's input (activation or its gradient) arrives from
-    the neighbouring stage for the same microbatch before the compute that needs it."""
-    S = schedule.num_chunks
-    have: list[set] = [set() for _ in range(schedule.num_ranks)]
+    the neighbouring stage for the same microbatch before the compute that needs it.
+    Per rank, a set of what has happened: (flow, mb, stage) for arrivals and
+    ("F" | "B" | "W", mb, stage) for the computes run."""
 
-    def visit(a: Action, matched: Optional[Action]) -> None:
-        got = have[a.rank]
-        if a.kind is Kind.RECV:
-            step = 1 if a.flow is Flow.ACTIVATIONS else -1
-            if matched.flow is not a.flow or matched.mb != a.mb or matched.chunk + step != a.chunk:
-                raise ScheduleError(f"{a}: paired with {matched}")
-            got.add((a.flow, a.mb, a.chunk))
-        elif a.kind is Kind.FORWARD:
-            if a.chunk > 0 and (Flow.ACTIVATIONS, a.mb, a.chunk) not in got and ("F", a.mb, a.chunk - 1) not in got:
-                raise ScheduleError(f"{a}: its input activation has not arrived")
-            got.add(("F", a.mb, a.chunk))
-        elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-            if ("F", a.mb, a.chunk) not in got:
-                raise ScheduleError(f"{a}: backward before its forward")
-            if a.chunk < S - 1 and (Flow.ACTIVATION_GRADS, a.mb, a.chunk) not in got:
-                raise ScheduleError(f"{a}: its output gradient has not arrived")
-            if ("B", a.mb, a.chunk) in got:
-                raise ScheduleError(f"{a}: second backward of that microbatch")
-            got.add(("B", a.mb, a.chunk))
-            if a.kind is Kind.BACKWARD:
-                got.add(("W", a.mb, a.chunk))
-        elif a.kind is Kind.BACKWARD_WEIGHT:  # a split backward's weight gradient (zb-h1)
-            if ("B", a.mb, a.chunk) not in got:
-                raise ScheduleError(f"{a}: weight gradient before the input-gradient pass")
-            if ("W", a.mb, a.chunk) in got:
-                raise ScheduleError(f"{a}: weight gradient computed twice")
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.S = schedule.num_chunks
+        self.have: list[set] = [set() for _ in range(schedule.num_ranks)]
+        self.handlers: dict[Kind, Visit] = {
+            Kind.RECV: self._on_recv,
+            Kind.FORWARD: self._on_forward,
+            Kind.BACKWARD: self._on_backward,
+            Kind.BACKWARD_INPUT: self._on_backward,
+            Kind.BACKWARD_WEIGHT: self._on_backward_weight,
+        }
+
+    def visit(self, a: Action, matched: Optional[Action]) -> None:
+        handler = self.handlers.get(a.kind)
+        if handler is not None:
+            handler(a, matched)
+
+    def _on_recv(self, a: Action, matched: Optional[Action]) -> None:
+        step = 1 if a.flow is Flow.ACTIVATIONS else -1
+        if matched.flow is not a.flow or matched.mb != a.mb or matched.chunk + step != a.chunk:
+            raise ScheduleError(f"{a}: paired with {matched}")
+        self.have[a.rank].add((a.flow, a.mb, a.chunk))
+
+    def _on_forward(self, a: Action, matched: Optional[Action]) -> None:
+        got = self.have[a.rank]
+        if a.chunk > 0 and (Flow.ACTIVATIONS, a.mb, a.chunk) not in got and ("F", a.mb, a.chunk - 1) not in got:
+            raise ScheduleError(f"{a}: its input activation has not arrived")
+        got.add(("F", a.mb, a.chunk))
+
+    def _on_backward(self, a: Action, matched: Optional[Action]) -> None:
+        got = self.have[a.rank]
+        if ("F", a.mb, a.chunk) not in got:
+            raise ScheduleError(f"{a}: backward before its forward")
+        if a.chunk < self.S - 1 and (Flow.ACTIVATION_GRADS, a.mb, a.chunk) not in got:
+            raise ScheduleError(f"{a}: its output gradient has not arrived")
+        if ("B", a.mb, a.chunk) in got:
+            raise ScheduleError(f"{a}: second backward of that microbatch")
+        got.add(("B", a.mb, a.chunk))
+        if a.kind is Kind.BACKWARD:
             got.add(("W", a.mb, a.chunk))
 
-    walk(schedule, visit, **how)
-    for r, got in enumerate(have):
-        for m in range(schedule.microbatches):
-            for c in range(r, S, schedule.num_ranks):
-                for step, name in (("F", "forward"), ("B", "backward"), ("W", "weight gradient")):
-                    if (step, m, c) not in got:
-                        raise ScheduleError(f"rank {r} never runs the {name} of microbatch {m} at stage {c}")
+    def _on_backward_weight(self, a: Action, matched: Optional[Action]) -> None:
+        """A split backward's weight gradient (zb-h1)."""
+        got = self.have[a.rank]
+        if ("B", a.mb, a.chunk) not in got:
+            raise ScheduleError(f"{a}: weight gradient before the input-gradient pass")
+        if ("W", a.mb, a.chunk) in got:
+            raise ScheduleError(f"{a}: weight gradient computed twice")
+        got.add(("W", a.mb, a.chunk))
+
+    def finish(self) -> None:
+        P = self.schedule.num_ranks
+        for r, got in enumerate(self.have):
+            for m in range(self.schedule.microbatches):
+                for c in range(r, self.S, P):
+                    for step, name in (("F", "forward"), ("B", "backward"), ("W", "weight gradient")):
+                        if (step, m, c) not in got:
+                            raise ScheduleError(f"rank {r} never runs the {name} of microbatch {m} at stage {c}")

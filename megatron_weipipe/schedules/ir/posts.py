@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule, ScheduleError
-from megatron_weipipe.schedules.check.calls import megatron_calls
+from megatron_weipipe.schedules.check.calls import OneAction, megatron_calls
 
 ORDERS = ("grouped", "recv-first", "parity")
 DEFAULT_ORDER = "parity"
@@ -171,10 +171,11 @@ def megatron_posts(schedule: Schedule, rank: int, *, order: str = "batched") -> 
         raise ScheduleError(f"unknown megatron-core p2p order {order!r}")
     acts = schedule.ranks[rank]
     steps: list[Step] = []
-    for kind, payload in megatron_calls(acts, schedule.virtual_stages > 1):
-        if kind == "one":
-            steps.append(payload)
+    for call in megatron_calls(acts, schedule.virtual_stages > 1):
+        if isinstance(call, OneAction):
+            steps.append(call.index)
             continue
+        payload = call.ops
         role = {}
         for i in payload:
             a = acts[i]

@@ -12,7 +12,7 @@ microbatches of the ring) is returned flat; the caller reduces it over data-para
 replicas and steps its optimizer. Losses are backpropagated as returned by post_fn
 (scale them there, e.g. by 1/num_microbatches, if a mean is wanted).
 
-Communication is posted exactly as plan.posts.rank_posts describes for `order` (the
+Communication is posted exactly as ir/posts.rank_posts describes for `order` (the
 program tools/check_schedules.py proves deadlock-free under NCCL's rules): by default
 "parity", single isend/irecv ops, a SEND posted where it stands, irecvs posted
 `lookahead` ticks ahead into fresh tensors (the double buffer) on odd ring ranks and
@@ -257,6 +257,13 @@ class _IterationState:
         self.wgrad = WeightGradStore()
         self.defer = ({(a.mb, a.chunk) for a in rt.actions if a.kind is Kind.BACKWARD_WEIGHT}
                       if rt.weight_pass == "deferred" else set())
+        self.handlers: dict[Kind, Callable[[int, Action], None]] = {  # (list index, action) -> None
+            Kind.LOAD: self._load, Kind.DROP: self._drop, Kind.GRAD_INIT: self._grad_init,
+            Kind.FORWARD: self._forward, Kind.LOSS: self._loss, Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_INPUT: self._backward_input, Kind.BACKWARD_WEIGHT: self._backward_weight,
+            Kind.SEND: self._send, Kind.RECV: self._recv,
+            Kind.ACCUMULATE_GRAD: self._accumulate_grad, Kind.OPTIMIZER_STEP: self._optimizer_step,
+        }
 
     # -------------------------------------------------------------- driver
 
@@ -272,11 +279,8 @@ class _IterationState:
                 if a.tick != tick:
                     tick = a.tick
                     self._reap_sends()
-                if tracer is None:
-                    getattr(self, "_" + a.kind.value)(step, a)
-                else:
-                    with tracer.action(a):
-                        getattr(self, "_" + a.kind.value)(step, a)
+                with tracer.action(a) if tracer is not None else contextlib.nullcontext():
+                    self.handlers[a.kind](step, a)
         finally:
             for works, _ in self.sends:
                 for work in works:

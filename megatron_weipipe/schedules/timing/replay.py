@@ -1,10 +1,11 @@
 """The one event core: replay per-rank action lists in time.
 
-Both the tick simulator (simulate.py: unit costs, free or per-message communication)
+Both the tick simulator (tick_simulator.py: unit costs, free or per-message communication)
 and the cluster projection (simulator/cluster_replay.py: devices, links, hosts with shared
 cores) run the lists through `replay` below; they differ only in the `ReplayModel`
 they pass. This module defines the timed types they share (`TimedAction`, `Transfer`,
-`Trace`).
+`Trace`). The order in which ranks step at one instant is the walker's
+(check/walker.py); `_Replay` is its rules with a clock.
 
 Two posting rules, one per runtime that executes these lists:
 
@@ -29,13 +30,15 @@ ranks that share a host's cores). A message may also cost host CPU at both ends
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Action, Flow, Kind, Schedule, ScheduleError
-from megatron_weipipe.schedules.check.calls import megatron_calls
+from megatron_weipipe.schedules.check.calls import CallStep, OneAction, P2PCall, megatron_calls
+from megatron_weipipe.schedules.check.walker import run_until_blocked
 
 EPS = 1e-12
 POSTING_RULES = ("async", "blocking")
@@ -138,6 +141,9 @@ class ReplayModel:
     start_times: Optional[tuple[float, ...]] = None  # per rank, default 0
 
 
+MsgKey = tuple[int, int]  # (sender rank, index of its SEND)
+
+
 @dataclass
 class _Msg:
     src: int
@@ -150,21 +156,33 @@ class _Msg:
     done: bool = False
 
 
+class Mode(enum.Enum):
+    """What a rank is doing at the replay's current instant."""
+
+    READY = "ready"  # can start its next step
+    COMPUTE = "compute"  # a compute action (or a message's host CPU) is running
+    WAIT = "wait"  # blocked until messages are delivered
+    DONE = "done"  # list finished and its sends delivered
+
+
 @dataclass
 class _Rank:
-    steps: list  # ("one", i) or ("group", [i, ...])
+    steps: list[CallStep]
     pc: int = 0
-    mode: str = "ready"  # ready | compute | wait | done
-    remaining: float = 0.0
+    mode: Mode = Mode.READY
+    remaining: float = 0.0  # compute work left, at full speed
     started: float = 0.0
-    waiting: set = field(default_factory=set)
+    waiting: set[MsgKey] = field(default_factory=set)
     wait_from: float = 0.0
-    wait_actions: list = field(default_factory=list)
-    timed: list = field(default_factory=list)
-    post_at: dict = field(default_factory=dict)  # action index -> RECV indices whose irecv is posted there
+    wait_actions: list[int] = field(default_factory=list)
+    timed: list[TimedAction] = field(default_factory=list)
+    post_at: dict[int, list[int]] = field(default_factory=dict)  # action index -> RECVs whose irecv is posted there
     drained: bool = False
     tail: float = 0.0  # host CPU the finished wait's messages still cost (gloo copies), run after it
     in_tail: bool = False
+
+    def wait(self, keys: set[MsgKey], now: float, actions: list[int]) -> None:
+        self.mode, self.waiting, self.wait_from, self.wait_actions = Mode.WAIT, keys, now, actions
 
 
 def _match(schedule: Schedule, error: type) -> tuple[dict, dict]:
@@ -191,9 +209,9 @@ def _match(schedule: Schedule, error: type) -> tuple[dict, dict]:
     return recv_key, send_key
 
 
-def _steps(acts: tuple[Action, ...], semantics: str, interleaved: bool) -> list:
+def _steps(acts: tuple[Action, ...], semantics: str, interleaved: bool) -> list[CallStep]:
     if semantics == "async":
-        return [("one", i) for i in range(len(acts))]
+        return [OneAction(i) for i in range(len(acts))]
     return megatron_calls(acts, interleaved)
 
 
@@ -219,181 +237,209 @@ def _post_points(acts: tuple[Action, ...], lookahead: Optional[int]) -> dict:
     return post_at
 
 
+class _Replay:
+    """The replay's state at its clock `now`; as the walker's rules (walker.py) a rank
+    steps while it is READY, and `settle` releases the waits whose messages arrived."""
+
+    def __init__(self, schedule: Schedule, model: ReplayModel, error: type):
+        self.model, self.error = model, error
+        self.num_ranks = P = schedule.num_ranks
+        self.lists = schedule.ranks
+        self.recv_key, self.send_key = _match(schedule, error)
+        self.msgs: dict[MsgKey, _Msg] = {}
+        for (r, i), key in self.recv_key.items():
+            m = self.msgs.setdefault(key, _Msg(src=key[0], j=key[1]))
+            m.dst, m.i = r, i
+        self.channel_free: dict[tuple[int, int], float] = defaultdict(float)
+        self.buckets: dict[tuple[int, int], TokenBucket] = {}
+        self.heap: list[tuple[float, int, int]] = []  # (delivery time, src, SEND index)
+        self.transfers: list[Transfer] = []
+        interleaved = schedule.virtual_stages > 1
+        self.ranks = [_Rank(steps=_steps(self.lists[r], model.semantics, interleaved)) for r in range(P)]
+        if model.semantics == "async":
+            for r in range(P):
+                self.ranks[r].post_at = _post_points(self.lists[r], model.lookahead)
+        self.work = [0.0] * P
+        self.finish = [0.0] * P
+        self.clock0 = model.start_times or (0.0,) * P
+        self.started = [False] * P
+        self.now = 0.0
+
+    # ------------------------------------------------------------------ messages
+
+    def _try_start(self, m: _Msg) -> None:
+        if m.send_post is None or m.recv_post is None or m.end is not None:
+            return
+        a = self.lists[m.src][m.j]
+        w = self.model.wire(a, m.src, m.dst)
+        ready = max(m.send_post, m.recv_post)
+        start = max(ready, self.channel_free[(m.src, m.dst)])
+        seconds = w.seconds
+        if w.burst > 0 and w.seconds > 0:
+            bucket = self.buckets.setdefault((m.src, m.dst), TokenBucket(w.nbytes / w.seconds, w.burst))
+            seconds = bucket.seconds(start, w.nbytes)
+        self.channel_free[(m.src, m.dst)] = start + seconds
+        m.end = start + seconds + w.latency
+        self.transfers.append(Transfer(m.src, m.dst, a.flow, w.nbytes, w.link, ready, start, m.end))
+        heapq.heappush(self.heap, (m.end, m.src, m.j))
+
+    def _post_send(self, r: int, j: int) -> MsgKey:
+        key = self.send_key.get((r, j), (r, j))
+        m = self.msgs.get(key)
+        if m is None:
+            raise self.error(f"{self.lists[r][j]}: never received")
+        m.send_post = self.now
+        self._try_start(m)
+        return key
+
+    def _post_recv(self, r: int, i: int) -> MsgKey:
+        key = self.recv_key[(r, i)]
+        m = self.msgs[key]
+        if m.recv_post is None:
+            m.recv_post = self.now
+            self._try_start(m)
+        return key
+
+    def _comm_cpu(self, r: int, i: int) -> float:
+        """This side's share of the host CPU a message costs (0 without host_cpu)."""
+        if self.model.host_cpu is None:
+            return 0.0
+        a = self.lists[r][i]
+        if a.kind is Kind.SEND:
+            src, dst, j = r, a.peer, self.send_key.get((r, i), (r, i))[1]
+        else:
+            src, dst, j = a.peer, r, self.recv_key[(r, i)][1]
+        return self.model.host_cpu(self.lists[src][j], src, dst)
+
+    # ------------------------------------------------------------------ walker rules
+
+    def step(self, r: int) -> bool:
+        """Start rank r's next step if it is READY (and its clock has started)."""
+        st = self.ranks[r]
+        if not self.started[r] or st.mode is not Mode.READY:
+            return False
+        if st.pc >= len(st.steps):
+            self._end_of_list(r, st)
+        elif isinstance(st.steps[st.pc], P2PCall):
+            self._call(r, st, st.steps[st.pc].ops)
+        else:
+            self._one(r, st, st.steps[st.pc].index)
+        return True
+
+    def settle(self) -> bool:
+        """Release every wait whose messages are all delivered."""
+        released = False
+        for r, st in enumerate(self.ranks):
+            if st.mode is Mode.WAIT and all(self.msgs[k].done for k in st.waiting):
+                for i in st.wait_actions:
+                    st.timed.append(TimedAction(self.lists[r][i], st.wait_from, self.now))
+                st.mode, st.waiting, st.wait_actions = Mode.READY, set(), []
+                if st.tail > 0:
+                    self._start_compute(st, r, st.tail, tail=True)
+                    st.tail = 0.0
+                released = True
+        return released
+
+    def _end_of_list(self, r: int, st: _Rank) -> None:
+        """The list is done: wait once for the rank's own sends, then finish."""
+        own = [k for k, m in self.msgs.items() if k[0] == r and not m.done]
+        if own and not st.drained:
+            st.wait(set(own), self.now, [])
+            st.drained = True
+            return
+        st.mode = Mode.DONE
+        self.finish[r] = self.now
+
+    def _call(self, r: int, st: _Rank, ops: tuple[int, ...]) -> None:
+        """A blocking p2p call: post all its operations, wait for all of them."""
+        keys = set()
+        for i in ops:
+            keys.add(self._post_send(r, i) if self.lists[r][i].kind is Kind.SEND else self._post_recv(r, i))
+        st.wait(keys, self.now, list(ops))
+        st.tail = sum(self._comm_cpu(r, i) for i in ops)
+        st.pc += 1
+
+    def _one(self, r: int, st: _Rank, i: int) -> None:
+        """Action i alone: its irecvs posted ahead, then a send, a receive or a compute."""
+        for k in st.post_at.get(i, ()):
+            self._post_recv(r, k)
+        a = self.lists[r][i]
+        if a.kind is Kind.SEND:
+            self._post_send(r, i)
+            cw = self._comm_cpu(r, i)
+            if cw > 0:
+                self._start_compute(st, r, cw, tail=False)
+                return
+        elif a.kind is Kind.RECV:
+            st.wait({self._post_recv(r, i)}, self.now, [i])
+            st.tail = self._comm_cpu(r, i)
+            st.pc += 1
+            return
+        elif a.kind in COMPUTE_KINDS and self.model.duration(a) > 0:
+            self._start_compute(st, r, self.model.duration(a), tail=False)
+            return
+        st.timed.append(TimedAction(a, self.now, self.now))
+        st.pc += 1
+
+    def _start_compute(self, st: _Rank, r: int, seconds: float, tail: bool) -> None:
+        st.mode, st.remaining, st.started, st.in_tail = Mode.COMPUTE, seconds, self.now, tail
+        self.work[r] += seconds
+
+    # ------------------------------------------------------------------ the clock
+
+    def run(self) -> Trace:
+        P = self.num_ranks
+        while True:
+            for r in range(P):
+                if not self.started[r] and self.clock0[r] <= self.now + EPS:
+                    self.started[r] = True
+            run_until_blocked(self)
+            if all(st.mode is Mode.DONE for st in self.ranks):
+                break
+            computing = [r for r in range(P) if self.ranks[r].mode is Mode.COMPUTE]
+            rates = {r: (self.model.rate(r, computing) if self.model.rate is not None else 1.0) for r in computing}
+            self._advance_to(self._next_event(computing, rates), computing, rates)
+        return Trace(
+            per_rank=tuple(tuple(st.timed) for st in self.ranks),
+            transfers=tuple(sorted(self.transfers, key=lambda t: (t.start, t.src))),
+            finish=tuple(self.finish),
+            work=tuple(self.work),
+        )
+
+    def _next_event(self, computing: list[int], rates: dict[int, float]) -> float:
+        """The next compute end, delivery or rank start; the error if there is none."""
+        candidates = [self.now + self.ranks[r].remaining / rates[r] for r in computing]
+        if self.heap:
+            candidates.append(self.heap[0][0])
+        candidates += [self.clock0[r] for r in range(self.num_ranks) if not self.started[r]]
+        if not candidates:
+            blocked = [f"rank {r} waits at step {st.pc}" for r, st in enumerate(self.ranks) if st.mode is Mode.WAIT]
+            raise self.error("deadlock in replay: " + "; ".join(blocked))
+        return max(min(candidates), self.now)
+
+    def _advance_to(self, t: float, computing: list[int], rates: dict[int, float]) -> None:
+        """Move the clock to t: run the computes, deliver messages, end computes that are done."""
+        for r in computing:
+            self.ranks[r].remaining -= (t - self.now) * rates[r]
+        self.now = t
+        while self.heap and self.heap[0][0] <= self.now + EPS:
+            _, src, j = heapq.heappop(self.heap)
+            self.msgs[(src, j)].done = True
+        for r in computing:
+            st = self.ranks[r]
+            if st.remaining <= EPS * max(1.0, self.now):
+                st.mode, st.remaining = Mode.READY, 0.0
+                if st.in_tail:  # the CPU side of messages already received: no action of its own
+                    st.in_tail = False
+                    continue
+                a = self.lists[r][st.steps[st.pc].index]
+                st.timed.append(TimedAction(a, st.started, self.now))
+                st.pc += 1
+
+
 def replay(schedule: Schedule, model: ReplayModel, error: type = ScheduleError) -> Trace:
     """Time every action of every rank; `error` is raised (one sentence) for lists that
     do not pair up or that deadlock."""
     if model.semantics not in POSTING_RULES:
         raise error(f"unknown posting rule {model.semantics!r}")
-    P = schedule.num_ranks
-    lists = schedule.ranks
-    recv_key, send_key = _match(schedule, error)
-    msgs: dict[tuple[int, int], _Msg] = {}
-    for (r, i), key in recv_key.items():
-        m = msgs.setdefault(key, _Msg(src=key[0], j=key[1]))
-        m.dst, m.i = r, i
-    channel_free: dict[tuple[int, int], float] = defaultdict(float)
-    buckets: dict[tuple[int, int], TokenBucket] = {}
-    heap: list = []
-    transfers: list[Transfer] = []
-    interleaved = schedule.virtual_stages > 1
-    ranks = [_Rank(steps=_steps(lists[r], model.semantics, interleaved)) for r in range(P)]
-    work = [0.0] * P
-    finish = [0.0] * P
-    clock0 = model.start_times or (0.0,) * P
-
-    if model.semantics == "async":
-        for r in range(P):
-            ranks[r].post_at = _post_points(lists[r], model.lookahead)
-
-    def try_start(m: _Msg) -> None:
-        if m.send_post is None or m.recv_post is None or m.end is not None:
-            return
-        a = lists[m.src][m.j]
-        w = model.wire(a, m.src, m.dst)
-        ready = max(m.send_post, m.recv_post)
-        start = max(ready, channel_free[(m.src, m.dst)])
-        seconds = w.seconds
-        if w.burst > 0 and w.seconds > 0:
-            bucket = buckets.setdefault((m.src, m.dst), TokenBucket(w.nbytes / w.seconds, w.burst))
-            seconds = bucket.seconds(start, w.nbytes)
-        channel_free[(m.src, m.dst)] = start + seconds
-        m.end = start + seconds + w.latency
-        transfers.append(Transfer(m.src, m.dst, a.flow, w.nbytes, w.link, ready, start, m.end))
-        heapq.heappush(heap, (m.end, m.src, m.j))
-
-    def post_send(r: int, j: int, now: float) -> tuple[int, int]:
-        key = send_key.get((r, j), (r, j))
-        m = msgs.get(key)
-        if m is None:
-            raise error(f"{lists[r][j]}: never received")
-        m.send_post = now
-        try_start(m)
-        return key
-
-    def post_recv(r: int, i: int, now: float) -> tuple[int, int]:
-        key = recv_key[(r, i)]
-        m = msgs[key]
-        if m.recv_post is None:
-            m.recv_post = now
-            try_start(m)
-        return key
-
-    def comm_cpu(r: int, i: int) -> float:
-        """This side's share of the host CPU a message costs (0 without host_cpu)."""
-        if model.host_cpu is None:
-            return 0.0
-        a = lists[r][i]
-        src, dst = (r, a.peer) if a.kind is Kind.SEND else (a.peer, r)
-        m = lists[src][send_key.get((r, i), (r, i))[1]] if a.kind is Kind.SEND else lists[src][recv_key[(r, i)][1]]
-        return model.host_cpu(m, src, dst)
-
-    def start_compute(st: _Rank, r: int, seconds: float, now: float, tail: bool) -> None:
-        st.mode, st.remaining, st.started, st.in_tail = "compute", seconds, now, tail
-        work[r] += seconds
-
-    def advance(r: int, now: float) -> None:
-        st = ranks[r]
-        acts = lists[r]
-        while st.mode == "ready":
-            if st.pc >= len(st.steps):
-                own = [k for k, m in msgs.items() if k[0] == r and not m.done]
-                if own and not st.drained:
-                    st.mode, st.waiting, st.wait_from, st.wait_actions = "wait", set(own), now, []
-                    st.drained = True
-                    return
-                st.mode = "done"
-                finish[r] = now
-                return
-            kind, payload = st.steps[st.pc]
-            if kind == "group":
-                keys = set()
-                for i in payload:
-                    a = acts[i]
-                    keys.add(post_send(r, i, now) if a.kind is Kind.SEND else post_recv(r, i, now))
-                st.mode, st.waiting, st.wait_from, st.wait_actions = "wait", keys, now, list(payload)
-                st.tail = sum(comm_cpu(r, i) for i in payload)
-                st.pc += 1
-                return
-            i = payload
-            for k in st.post_at.get(i, ()):
-                post_recv(r, k, now)
-            a = acts[i]
-            if a.kind is Kind.SEND:
-                post_send(r, i, now)
-                cw = comm_cpu(r, i)
-                if cw > 0:
-                    start_compute(st, r, cw, now, tail=False)
-                    return
-                st.timed.append(TimedAction(a, now, now))
-                st.pc += 1
-            elif a.kind is Kind.RECV:
-                key = post_recv(r, i, now)
-                st.mode, st.waiting, st.wait_from, st.wait_actions = "wait", {key}, now, [i]
-                st.tail = comm_cpu(r, i)
-                st.pc += 1
-                return
-            elif a.kind in COMPUTE_KINDS and model.duration(a) > 0:
-                start_compute(st, r, model.duration(a), now, tail=False)
-                return
-            else:
-                st.timed.append(TimedAction(a, now, now))
-                st.pc += 1
-
-    def release_waits(now: float) -> None:
-        for r, st in enumerate(ranks):
-            if st.mode == "wait" and all(msgs[k].done for k in st.waiting):
-                for i in st.wait_actions:
-                    st.timed.append(TimedAction(lists[r][i], st.wait_from, now))
-                st.mode, st.waiting, st.wait_actions = "ready", set(), []
-                if st.tail > 0:
-                    start_compute(st, r, st.tail, now, tail=True)
-                    st.tail = 0.0
-
-    now = 0.0
-    started = [False] * P
-    while True:
-        for r in range(P):
-            if not started[r] and clock0[r] <= now + EPS:
-                started[r] = True
-        changed = True
-        while changed:
-            changed = False
-            release_waits(now)
-            for r in range(P):
-                if started[r] and ranks[r].mode == "ready":
-                    advance(r, now)
-                    changed = True
-        if all(st.mode == "done" for st in ranks):
-            break
-        computing = [r for r in range(P) if ranks[r].mode == "compute"]
-        rates = {r: (model.rate(r, computing) if model.rate is not None else 1.0) for r in computing}
-        candidates = [now + ranks[r].remaining / rates[r] for r in computing]
-        if heap:
-            candidates.append(heap[0][0])
-        candidates += [clock0[r] for r in range(P) if not started[r]]
-        if not candidates:
-            blocked = [f"rank {r} waits at step {ranks[r].pc}" for r in range(P) if ranks[r].mode == "wait"]
-            raise error("deadlock in replay: " + "; ".join(blocked))
-        t = max(min(candidates), now)
-        for r in computing:
-            ranks[r].remaining -= (t - now) * rates[r]
-        now = t
-        while heap and heap[0][0] <= now + EPS:
-            _, src, j = heapq.heappop(heap)
-            msgs[(src, j)].done = True
-        for r in computing:
-            st = ranks[r]
-            if st.remaining <= EPS * max(1.0, now):
-                st.mode, st.remaining = "ready", 0.0
-                if st.in_tail:  # the CPU side of messages already received: no action of its own
-                    st.in_tail = False
-                    continue
-                a = lists[r][st.steps[st.pc][1]]
-                st.timed.append(TimedAction(a, st.started, now))
-                st.pc += 1
-    return Trace(
-        per_rank=tuple(tuple(st.timed) for st in ranks),
-        transfers=tuple(sorted(transfers, key=lambda t: (t.start, t.src))),
-        finish=tuple(finish),
-        work=tuple(work),
-    )
+    return _Replay(schedule, model, error).run()

@@ -8,7 +8,7 @@ transfers hidden). Since WeiPipe lists put each SEND right after the last use of
 buffer in its tick, a hop leaves when the sender is done with it; that, not a global
 barrier, paces the ring.
 
-It is the event core (events.py) with every receive posted up front, no wire time and
+It is the event core (replay.py) with every receive posted up front, no wire time and
 `comm_time` as each message's latency; the cluster simulator (simulator/cluster_replay.py)
 runs the same core with real costs, links and posting rules. Times are exact for costs
 that are binary fractions (the defaults, unit costs); for others the core's
