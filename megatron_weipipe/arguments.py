@@ -35,7 +35,7 @@ SECTIONS = (
     ("data", DataConfig, "data"),
     ("checkpoint", CheckpointConfig, "checkpointing"),
     ("logging", LoggingConfig, "logging"),
-    ("megatron", MegatronCompatConfig, "Megatron-LM compatibility (docs/megatron_flags.md)"),
+    ("megatron", MegatronCompatConfig, "Megatron-LM compatibility (docs/reference/flags.md)"),
 )
 
 

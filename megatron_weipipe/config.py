@@ -10,6 +10,7 @@ sentence instead of hanging in a collective later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from typing import Optional
 
 from megatron_weipipe.data.config import DataConfig
@@ -18,6 +19,41 @@ from megatron_weipipe.flags import option
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
 from megatron_weipipe.shape import ModelShape, ffn_hidden_size
+
+# Megatron-LM's --attention-backend values (model/sdpa_attention.py, model/gpt.py and
+# platform.py say which core attention each selects).
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+
+# --lr-decay-style: the styles megatron-core's OptimizerParamScheduler runs with the flags
+# this trainer has (its WSD style needs wsd_decay_steps, which no flag sets).
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+class WeightPass(StrEnum):
+    """How a split backward (BACKWARD_INPUT / BACKWARD_WEIGHT) gets its weight gradient.
+
+    The runtime (schedules/runtime/ring.py) runs the first three; GPT training runs
+    ``DEFERRED`` (schedules/gpt/weipipe). The simulator prices ``STORED`` and ``REPLAY``
+    as the runtime runs them, and ``IDEAL`` for what ``DEFERRED`` aims at: per-layer
+    weight-gradient kernels costing their own FLOPs, which only FLOP-based costs can
+    price (a host calibration times the autograd passes the first two run).
+    """
+
+    REPLAY = "replay"  # W is a second autograd pass over the graph I kept
+    STORED = "stored"  # I computes both gradients, W adds the stored one
+    DEFERRED = "deferred"  # I runs the input GEMMs, W the deferred weight GEMMs (runtime/wgrad.py)
+    IDEAL = "ideal"  # the simulator's price of DEFERRED: I and W at their own FLOPs
+
+
+RUNTIME_WEIGHT_PASSES = (WeightPass.REPLAY, WeightPass.STORED, WeightPass.DEFERRED)
+TRAINING_WEIGHT_PASS = WeightPass.DEFERRED
+SIMULATED_WEIGHT_PASSES = (WeightPass.STORED, WeightPass.REPLAY, WeightPass.IDEAL)
+
+
+def one_of(choices) -> str:
+    """``a, b or c``: the accepted values in a help text or an error."""
+    items = [str(c) for c in choices]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
 @dataclass
@@ -57,7 +93,7 @@ class ModelConfig:
         False, help="keep GPU paths not yet verified by tools/gpu_acceptance.sh (WeiPipe over Transformer Engine "
                     "layers, dropout replay under them) instead of falling back to local layers with a notice")
     attention_backend: str = option(
-        "auto", choices=("flash", "fused", "unfused", "local", "auto"),
+        "auto", choices=ATTENTION_BACKENDS,
         help="core attention (Megatron-LM's values). Local layers: auto/flash/fused = torch's fused "
              "scaled_dot_product_attention (on a GPU its flash/cuDNN/memory-efficient kernels only), "
              "unfused/local = megatron-core's DotProductAttention; Transformer Engine layers: TE's "
@@ -68,7 +104,7 @@ class ModelConfig:
                                                            "layers per stage (block)")
     offload_layer_inputs: bool = option(
         False, help="with full recomputation, keep each recomputed layer's input in host memory between its "
-                    "forward and its recompute (prefetched one layer ahead); see docs/fpdt.md")
+                    "forward and its recompute (prefetched one layer ahead); see docs/how-it-works/fpdt.md")
     layout_invariant_init: bool = option(
         True, flag="--no-layout-invariant-init", inverted=True,
         help="use megatron-core's per-rank initialisation instead of one that is the same for every parallel "
@@ -78,6 +114,11 @@ class ModelConfig:
         """The shape arithmetic of this model (FFN width, parameter counts, FLOPs)."""
         own = {name: getattr(self, name) for name in _SHAPE_FIELDS}
         return ModelShape(**own, micro_batch_size=micro_batch_size, vocab_size=vocab_size)
+
+    @staticmethod
+    def shape_fields() -> tuple[str, ...]:
+        """The fields a ModelShape has too (what ``shape`` and ``from_shape`` carry)."""
+        return _SHAPE_FIELDS
 
     @classmethod
     def from_shape(cls, shape: ModelShape, **overrides) -> "ModelConfig":
@@ -134,7 +175,7 @@ class ParallelConfig:
     use_distributed_optimizer: bool = option(False, help="shard optimizer state over data-parallel ranks")
     use_torch_fsdp2: bool = option(False, help="torch FSDP2 (fully_shard per transformer layer, then the model): "
                                               "parameters, gradients and optimizer state sharded over data x "
-                                              "context parallel ranks (docs/fsdp.md)")
+                                              "context parallel ranks (docs/how-it-works/fsdp.md)")
     overlap_grad_reduce: bool = option(False, help="overlap the gradient all-reduce with backward")
     distributed_backend: Optional[str] = option(None, choices=("nccl", "gloo"),
                                                 help="process-group backend (default: nccl on GPU hosts, gloo "
@@ -165,7 +206,7 @@ class TrainingConfig:
     train_iters: int = option(10, required=True, help="optimizer steps to train")
     lr: float = option(1e-4, help="peak learning rate")
     min_lr: float = option(0.0, help="learning rate at the end of the decay")
-    lr_decay_style: str = option("cosine", help="constant, linear or cosine")
+    lr_decay_style: str = option("cosine", help=f"learning-rate decay after the warm-up: {one_of(LR_DECAY_STYLES)}")
     lr_warmup_iters: int = option(0, help="warm-up steps")
     lr_warmup_fraction: Optional[float] = option(None, help="warm-up as a fraction of the decay steps")
     lr_decay_iters: Optional[int] = option(None, help="decay steps (default: --train-iters)")
@@ -195,8 +236,8 @@ class TrainingConfig:
         require(self.micro_batch_size > 0, "--micro-batch-size must be positive")
         require(self.train_iters >= 0, "--train-iters must be non-negative")
         require(self.lr >= 0, "--lr must be non-negative")
-        require(self.lr_decay_style in ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
-                f"--lr-decay-style must be constant, linear or cosine, not {self.lr_decay_style!r}")
+        require(self.lr_decay_style in LR_DECAY_STYLES,
+                f"--lr-decay-style must be {one_of(LR_DECAY_STYLES)}, not {self.lr_decay_style!r}")
         require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive")
         require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, not {self.optimizer!r}")
         require(self.eval_interval > 0, "--eval-interval must be positive")
@@ -370,7 +411,7 @@ class PretrainConfig:
             self._validate_fsdp()
 
     def _validate_fsdp(self) -> None:
-        """--use-torch-fsdp2: what the FSDP2 data-parallel mode composes with (docs/fsdp.md)."""
+        """--use-torch-fsdp2: what the FSDP2 data-parallel mode composes with (docs/how-it-works/fsdp.md)."""
         p, t = self.parallel, self.training
         require(p.pipeline_model_parallel_size == 1,
                 "--use-torch-fsdp2 needs --pipeline-model-parallel-size 1 (FSDP is a data-parallel mode; no 1F1B "

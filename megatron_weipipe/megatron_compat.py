@@ -1,6 +1,6 @@
 """Flags of Megatron-LM's launch scripts that this package accepts so the scripts run unchanged.
 
-Three kinds (docs/megatron_flags.md lists them): flags with their Megatron-LM effect on a
+Three kinds (docs/reference/flags.md lists them): flags with their Megatron-LM effect on a
 kernel choice (accepted, honoured: the same math, a different kernel); flags that change
 nothing here, because they select kernels, fusions, overlaps or GPU memory handling that
 compute the same math (accepted, no effect); and flags that would change the math or

@@ -1,5 +1,5 @@
 """Flags generated from the typed configs: Megatron's names kept, values round-trip, the
-README's table is the generated one, and the simulator takes the same flags."""
+docs/reference/flags.md's table is the generated one, and the simulator takes the same flags."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 
 import pytest
-from flags_table import flags_table  # tools/flags_table.py
+from tools.flags_table import flags_table
 from harness.runs import REPO_ROOT, tiny_gpt_args
 
 from megatron_weipipe.arguments import SECTIONS, build_parser, parse_config
@@ -77,8 +77,8 @@ def test_validation_does_not_change_what_it_checks():
 
 
 def test_readme_table_is_the_generated_one():
-    readme = open(os.path.join(REPO_ROOT, "README.md")).read()
-    assert flags_table() in readme, "README.md's flag table is stale: paste `python tools/flags_table.py`"
+    readme = open(os.path.join(REPO_ROOT, "docs", "reference", "flags.md")).read()
+    assert flags_table() in readme, "docs/reference/flags.md's flag table is stale: paste `python -m tools.flags_table`"
 
 
 @pytest.mark.parametrize("flag", ["--bf16", "--recompute-method", "--num-layers-per-virtual-pipeline-stage",
@@ -87,3 +87,36 @@ def test_the_simulator_takes_pretrain_flags(flag):
     from megatron_weipipe.simulator.cli import build_parser as simulator_parser
 
     assert flag in _option_strings(simulator_parser())
+
+
+def _action(parser, flag):
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
+def test_lr_decay_style_help_and_error_name_what_is_accepted():
+    from megatron_weipipe.config import LR_DECAY_STYLES, ConfigError, one_of
+
+    assert one_of(LR_DECAY_STYLES) in _action(build_parser(), "--lr-decay-style").help
+    for style in LR_DECAY_STYLES:
+        assert parse_config(tiny_gpt_args(**{"lr-decay-style": style})).training.lr_decay_style == style
+    with pytest.raises(ConfigError) as e:
+        parse_config(tiny_gpt_args(**{"lr-decay-style": "WSD"}))
+    assert str(e.value) == f"--lr-decay-style must be {one_of(LR_DECAY_STYLES)}, not 'WSD'"
+
+
+def test_each_vocabulary_has_one_home():
+    """The attention backends, FPDT's kernels and the weight passes are declared once; the
+    flags, the checks and the simulator read them from there."""
+    from megatron_weipipe.config import (ATTENTION_BACKENDS, RUNTIME_WEIGHT_PASSES, SIMULATED_WEIGHT_PASSES,
+                                         TRAINING_WEIGHT_PASS, WeightPass)
+    from megatron_weipipe.fpdt import kernels
+    from megatron_weipipe.fpdt.config import AUTO_KERNEL, BLOCK_KERNELS, KERNELS
+    from megatron_weipipe.simulator.cli import build_parser as simulator_parser
+
+    assert tuple(_action(build_parser(), "--attention-backend").choices) == ATTENTION_BACKENDS
+    assert tuple(kernels.KERNEL_CLASSES) == BLOCK_KERNELS and KERNELS == (AUTO_KERNEL, *BLOCK_KERNELS)
+    assert TRAINING_WEIGHT_PASS in RUNTIME_WEIGHT_PASSES
+    assert set(RUNTIME_WEIGHT_PASSES) | set(SIMULATED_WEIGHT_PASSES) == set(WeightPass)
+    # the simulator's only value of its own prices the runtime's deferred pass
+    assert set(SIMULATED_WEIGHT_PASSES) - set(RUNTIME_WEIGHT_PASSES) == {WeightPass.IDEAL}
+    assert tuple(_action(simulator_parser(), "--weipipe-weight-pass").choices) == SIMULATED_WEIGHT_PASSES

@@ -1,5 +1,5 @@
 """Megatron-LM launch-script flags: the no-op ones leave the configuration as it was, the
-refused ones stop start-up with one line naming them, and docs/megatron_flags.md lists all."""
+refused ones stop start-up with one line naming them, and docs/reference/flags.md lists all."""
 
 from __future__ import annotations
 
@@ -74,6 +74,6 @@ def test_pretrain_gpt_exits_2_with_one_line():
 
 
 def test_docs_list_every_flag():
-    doc = open(os.path.join(REPO_ROOT, "docs", "megatron_flags.md")).read()
+    doc = open(os.path.join(REPO_ROOT, "docs", "reference", "flags.md")).read()
     missing = [flag_name(f) for f in fields(MegatronCompatConfig) if f"`{flag_name(f)}`" not in doc]
-    assert not missing, f"docs/megatron_flags.md does not list {missing}"
+    assert not missing, f"docs/reference/flags.md does not list {missing}"

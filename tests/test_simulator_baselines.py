@@ -281,7 +281,7 @@ def test_order_counts_only_pairs_the_rounds_separate():
 
 
 def test_testbed_compare_bad_input_is_one_line(tmp_path, capsys):
-    from simulator_validation import testbed_compare
+    from tools.simulator_validation import testbed_compare
 
     bad = tmp_path / "rows.json"
     bad.write_text('{"not": "a list"}')
@@ -298,7 +298,7 @@ def test_testbed_compare_predicts_from_the_in_run_calibration(tmp_path, capsys):
     from dataclasses import replace
 
     from megatron_weipipe.simulator import calibration as calib
-    from simulator_validation import testbed_compare
+    from tools.simulator_validation import testbed_compare
 
     seq, shape = 1024, _shape()
     cal_dir = tmp_path / "cal"
@@ -347,7 +347,7 @@ def test_testbed_compare_spans_the_fsdp2_probes_rounds(tmp_path, capsys):
     the probe on its own: the spread of FSDP2's fixed costs is part of the calibration's."""
     from megatron_weipipe.simulator import calibration as calib
     from megatron_weipipe.simulator.calibration import Fsdp2Overhead
-    from simulator_validation import testbed_compare
+    from tools.simulator_validation import testbed_compare
 
     seq, shape = 1024, _shape()
     name = f"L{shape.layers}-h{shape.hidden}-a{shape.heads}"

@@ -1,4 +1,4 @@
-"""Predicted bytes equal the closed forms of docs/weipipe.md and the model's real sizes."""
+"""Predicted bytes equal the closed forms of docs/how-it-works/weipipe.md and the model's real sizes."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_layout_places_tp_innermost_and_pipelines_across_nodes():
 def megatron_models():
     """Parameter counts of real megatron-core GPTModels (one process, built on the CPU)."""
     from megatron_weipipe.model.gpt import build_gpt_model
-    from host_calibration import pretrain_config_for, single_process_megatron
+    from megatron_weipipe.training.host_calibration import pretrain_config_for, single_process_megatron
 
     out = {}
     for key, shape in (("gpt", SHAPE), ("llama", LLAMA)):

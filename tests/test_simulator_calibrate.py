@@ -8,7 +8,7 @@ import pytest
 
 from megatron_weipipe.schedules.generate.megatron_timeline import build
 from megatron_weipipe.schedules.ir.actions import Kind
-from host_calibration import calibrate
+from megatron_weipipe.training.host_calibration import calibrate
 from megatron_weipipe.simulator.calibration import ChunkTimes, HostCalibration
 from megatron_weipipe.simulator.costs import from_calibration, scale_chunk
 from megatron_weipipe.shape import ModelShape
@@ -78,7 +78,7 @@ def test_calibrations_average_field_by_field():
 def test_calibration_rounds_go_on_while_under_min_seconds():
     """A short sequence's timings are milliseconds each: the calibration keeps timing rounds
     until they add up to min_seconds, up to a cap; without it, exactly `repeats`."""
-    import host_calibration
+    from megatron_weipipe.training import host_calibration
 
     calls = []
     probes = {"p": lambda: calls.append(1) or {"x": (1.0, 1.0)}}

@@ -11,7 +11,7 @@ import torch
 
 from megatron_weipipe.schedules.generate.megatron_timeline import build
 from megatron_weipipe.simulator import memory
-from host_calibration import pretrain_config_for, single_process_megatron
+from megatron_weipipe.training.host_calibration import pretrain_config_for, single_process_megatron
 from megatron_weipipe.simulator.rank_order import Layout
 from megatron_weipipe.simulator.run_spec import RunSpec
 from megatron_weipipe.shape import ModelShape

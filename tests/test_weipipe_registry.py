@@ -109,3 +109,32 @@ def test_each_name_leads_to_its_training_class_and_rules():
         except ConfigError:
             refused = True
         assert refused == (name in refused_at_pp1), name
+
+
+def test_every_schedule_fact_the_simulator_and_tools_read_is_declared():
+    from megatron_weipipe.schedules.timing.replay import POSTING_RULES
+
+    assert registry.simulated_names() == registry.names() + ("zb-h1", "floor", "fsdp")
+    assert not set(registry.BASELINES) & set(registry.SCHEDULES)
+    assert registry.pipeline_names() == registry.plan_names()
+    assert registry.compared_by_default() == ("1f1b", "interleaved", "weipipe-interleave", "weipipe-zb")
+    for name in registry.simulated_names():
+        e = registry.simulated(name)
+        assert e.posting in POSTING_RULES and e.projection in (registry.REPLAY, registry.FLOOR, registry.FSDP)
+        # exactly one source of action lists: its own, or another schedule's
+        sources = [x for x in (e.compute_plan, e.timeline, e.costed_timeline, e.replayed_as) if x is not None]
+        assert len(sources) == 1, name
+        assert (e.compute_plan is not None) == e.is_weipipe, name
+        if e.replayed_as is not None:
+            assert registry.simulated(e.replayed_as) is not None, name
+        if name in registry.BASELINES:
+            assert e.train is None and e.rules is None and e.trained_as in registry.names(), name
+            assert registry.training_entry(name).name == e.trained_as
+        else:
+            assert e.trained_as is None and registry.training_entry(name) is e
+            assert e.posting == (registry.ASYNC if e.is_weipipe else registry.BLOCKING), name
+    assert [n for n in registry.names() if registry.entry(n).virtual_stages] == ["interleaved"]
+    assert [n for n in registry.simulated_names() if not registry.simulated(n).pipelined] == ["none", "fsdp"]
+    with pytest.raises(ValueError, match="compute plan"):
+        registry.plan_function("1f1b")
+    assert registry.plan_function("weipipe-zb") is registry.load(registry.entry("weipipe-zb").compute_plan)

@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 from megatron_weipipe.errors import require
 from megatron_weipipe.flags import option
 
-KERNELS = ("auto", "math", "cpu_flash", "cudnn", "cuda_flash", "cuda_efficient")  # fpdt.kernels
+# FPDT's block attention kernels (fpdt/kernels.py builds its table of classes from these
+# names, in this order); FPDTConfig.kernel takes one of them or "auto" (picked per device).
+AUTO_KERNEL = "auto"
+BLOCK_KERNELS = ("math", "cpu_flash", "cudnn", "cuda_flash", "cuda_efficient")
+KERNELS = (AUTO_KERNEL, *BLOCK_KERNELS)
 CAUSAL_NAMES = ("causal", "AttnMaskType.causal")
 
 

@@ -27,6 +27,7 @@ import logging
 import torch
 
 from megatron_weipipe.errors import ConfigError
+from megatron_weipipe.fpdt.config import AUTO_KERNEL, BLOCK_KERNELS
 from megatron_weipipe.fpdt.cuda_kernels import CUDA_KERNELS, CudaEfficientKernel, CudaFlashKernel, CudnnKernel
 from megatron_weipipe.fpdt.kernel_base import (  # noqa: F401 - the kernels' public names live here
     SELF_CHECK_TOL,
@@ -88,7 +89,16 @@ class CpuFlashKernel(GroupedKernel):
         )
 
 
-KERNEL_CLASSES = {"math": MathKernel, "cpu_flash": CpuFlashKernel, **CUDA_KERNELS}
+def _kernel_classes() -> dict:
+    """The class of every kernel fpdt/config.py names, in its order; an error at import if
+    a name has no class or a class no name."""
+    classes = {k.name: k for k in (MathKernel, CpuFlashKernel, *CUDA_KERNELS.values())}
+    if set(classes) != set(BLOCK_KERNELS):
+        raise ImportError(f"FPDT kernel classes {sorted(classes)} differ from fpdt/config.py's {sorted(BLOCK_KERNELS)}")
+    return {name: classes[name] for name in BLOCK_KERNELS}
+
+
+KERNEL_CLASSES = _kernel_classes()
 
 
 def cuda_kernels(dtype: torch.dtype, head_dim: int = 64, capability: tuple = (9, 0)) -> tuple[str, ...]:
@@ -194,7 +204,7 @@ def select_kernel(choice: str, device, dtype: torch.dtype, head_dim: int, block=
     CUDA where that block's scores exceed MATH_SCORES_BUDGET. Probes run here, before the
     first forward, so none runs inside a forward or backward."""
     device = torch.device(device)
-    if choice == "auto":
+    if choice == AUTO_KERNEL:
         name, passed_over = _resolve_auto(device, dtype, head_dim, probe)
     else:
         name, passed_over = choice, []
@@ -203,7 +213,7 @@ def select_kernel(choice: str, device, dtype: torch.dtype, head_dim: int, block=
         problem = _allowed(name, device, dtype)
         if problem:
             raise ValueError(problem)
-    why = "; ".join(passed_over) if choice == "auto" else "kernel='math' was asked for"
+    why = "; ".join(passed_over) if choice == AUTO_KERNEL else "kernel='math' was asked for"
     if name == "math":
         check_math_block(device, dtype, head_dim, block, why)
     kernel = KERNEL_CLASSES[name]()

@@ -1,7 +1,7 @@
 """Which layer implementation a run builds: Transformer Engine or megatron-core's local layers.
 
 The one place that decides it. Paths that are believed to work on a GPU but have not yet
-passed there (``tools/gpu_acceptance.sh``, docs/gpu_readiness.md "unverified on GPU")
+passed there (``tools/gpu_acceptance.sh``, docs/reference/gpu-readiness.md "unverified on GPU")
 fall back to local layers with a one-line notice, unless the run passes
 ``--allow-unverified-gpu-paths``. The platform is passed in, so tests decide for a faked
 CUDA + TE host on a CPU machine.
@@ -20,7 +20,7 @@ _announced: set = set()
 
 ALLOW_FLAG = "--allow-unverified-gpu-paths"
 
-# The unverified paths, by name (docs/gpu_readiness.md lists the same names).
+# The unverified paths, by name (docs/reference/gpu-readiness.md lists the same names).
 WEIPIPE_TE = "WeiPipe over Transformer Engine modules through functional_call"
 DROPOUT_REPLAY_TE = "dropout replay with separate CUDA RNG streams (Transformer Engine layers)"
 

@@ -38,9 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 log = logging.getLogger(__name__)
 
-# The values of Megatron-LM's --attention-backend, and which core attention each selects
-# on local layers: torch's fused SDPA kernels, or megatron-core's unfused DotProductAttention.
-BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+# The --attention-backend values (config.ATTENTION_BACKENDS) whose core attention on local
+# layers is torch's fused SDPA kernels; the others keep megatron-core's unfused DotProductAttention.
 SDPA_BACKENDS = ("flash", "fused")
 # SDPA's kernels whose memory is linear in s (everything but its math kernel).
 FUSED_KERNELS = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)

@@ -2,7 +2,7 @@
 
 - ``fsdp``: FSDP / ZeRO-3 over the same GPUs, no pipeline (PP = 1, every GPU a data-
   parallel rank holding 1/n of every parameter), with the units the trainer's
-  ``--use-torch-fsdp2`` makes (schedules/gpt/fsdp.py): the embedding, each decoder
+  ``--use-torch-fsdp2`` makes (model/fsdp.py): the embedding, each decoder
   layer, the root (final norm, and the output layer when untied). Every microbatch each
   unit is all-gathered before its forward and again before its backward (resharded after
   the forward: FSDP2's default, root included) and its gradient reduce-scattered in fp32
@@ -26,7 +26,9 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
+from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.ir.actions import Action, Kind
 from megatron_weipipe.schedules.timing.replay import TimedAction, TokenBucket, Trace
 
@@ -36,7 +38,7 @@ from .hardware import Cluster
 from .run_spec import RunSpec
 
 FSDP_GRAD_BYTES = 4  # gradients reduce-scattered in fp32 (Megatron's main-grad dtype)
-FSDP_KIND = "fsdp"  # the trainer's byte-counter kind for FSDP2's collectives (schedules/gpt/fsdp.py)
+FSDP_KIND = "fsdp"  # the trainer's byte-counter kind for FSDP2's collectives (model/fsdp.py)
 
 
 def fsdp_units(spec: RunSpec) -> list[tuple[str, int]]:
@@ -58,76 +60,100 @@ def unit_collectives(spec: RunSpec, cluster: Cluster):
             for _, p in fsdp_units(spec)], link
 
 
-def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
-    """FSDP's iteration on one rank (all ranks alike); ``base`` is the PP=1 replay of the same
-    spec (memory, counters), whose times this replaces."""
-    s, lay = spec.shape, spec.layout
-    L, N, eff = s.num_layers, spec.num_microbatches, spec.kernel_efficiency
+class _CommStream:
+    """FSDP's communication stream: one collective at a time in issue order, over the
+    data-parallel ring's link (its token bucket where the link is tc-shaped)."""
+
+    def __init__(self, link) -> None:
+        self.free = 0.0
+        self.rate = link.bandwidth_gbs * 1e9
+        self.bucket = TokenBucket(self.rate, link.burst_bytes) if link.burst_bytes > 0 else None
+
+    def issue(self, at: float, c: collectives.CollectiveCost) -> float:
+        """When collective ``c`` issued at ``at`` is done."""
+        start = max(at, self.free)
+        seconds = c.seconds
+        if self.bucket is not None:  # each rank sends its wire bytes at once: one bucket per direction, alike
+            seconds += self.bucket.seconds(start, c.wire_bytes) - c.wire_bytes / self.rate
+        self.free = start + seconds
+        return self.free
+
+
+class _FsdpRank:
+    """One rank's compute stream: each unit waits for its weights, then computes."""
+
+    def __init__(self, comms, stream: _CommStream, blocking: bool) -> None:
+        self.comms, self.stream, self.blocking = comms, stream, blocking
+        self.now = self.exposed = 0.0
+        self.timed: list[TimedAction] = []
+        self.ready = [0.0] * len(comms)
+
+    def gather(self, u: int, at: float) -> None:
+        self.ready[u] = self.stream.issue(at, self.comms[u][0])
+
+    def run(self, u: int, seconds: float, action: Action, prefetch: Optional[int]) -> None:
+        """Wait for unit ``u``'s weights, issue the prefetch of unit ``prefetch`` as it starts, compute."""
+        if self.blocking and prefetch is not None:
+            prefetch = None
+        start = max(self.now, self.ready[u])
+        self.exposed += start - self.now
+        if prefetch is not None:
+            self.gather(prefetch, start)
+        self.now = start + seconds
+        self.timed.append(TimedAction(action, start, self.now))
+
+    def microbatch(self, m: int, forward: list[float], backward: list[float], L: int) -> None:
+        """Forward (embedding, layers, root), the root gathered again, backward in reverse,
+        each unit's gradient reduce-scattered after its backward."""
+        U = len(self.comms)
+        self.ready = [0.0] * U
+        self.gather(0, self.now)
+        for u in range(U):
+            if self.blocking and u > 0:
+                self.gather(u, self.now)
+            kind = Kind.LOSS if u == U - 1 else Kind.FORWARD
+            self.run(u, forward[u], Action(kind, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))),
+                     u + 1 if u + 1 < U else None)
+        self.gather(U - 1, self.now)
+        for u in reversed(range(U)):
+            if self.blocking and u < U - 1:
+                self.gather(u, self.now)
+            self.run(u, backward[u], Action(Kind.BACKWARD, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))),
+                     u - 1 if u > 0 else None)
+            done = self.stream.issue(self.now, self.comms[u][1])
+            if self.blocking:
+                self.exposed += done - self.now
+                self.now = done
+
+
+def _unit_seconds(spec: RunSpec, costs: CostModel) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of every unit (embedding, layers, root), FSDP2's fixed
+    seconds per unit included."""
+    L, eff = spec.shape.num_layers, spec.kernel_efficiency
     t = costs.for_layers(1).module
     forward = [costs.embed_forward / eff, *[t.forward / eff] * L, costs.head_forward / eff]
     backward = [costs.embed_backward / eff, *[(t.backward + (t.forward if spec.recompute else 0.0)) / eff] * L,
                 costs.head_backward / eff]
-    forward = [c + costs.fsdp_unit_forward for c in forward]
-    backward = [c + costs.fsdp_unit_backward for c in backward]
+    return ([c + costs.fsdp_unit_forward for c in forward], [c + costs.fsdp_unit_backward for c in backward])
+
+
+def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
+    """FSDP's iteration on one rank (all ranks alike); ``base`` is the PP=1 replay of the same
+    spec (memory, counters), whose times this replaces."""
+    s, lay = spec.shape, spec.layout
+    N = spec.num_microbatches
+    forward, backward = _unit_seconds(spec, costs)
     comms, link = unit_collectives(spec, cluster)
-    U = len(comms)
-    comm_free = 0.0
-    exposed = 0.0
-    rate = link.bandwidth_gbs * 1e9
-    bucket = TokenBucket(rate, link.burst_bytes) if link.burst_bytes > 0 else None  # a tc-shaped link
-
-    def issue(at: float, c: collectives.CollectiveCost) -> float:
-        nonlocal comm_free
-        start = max(at, comm_free)
-        seconds = c.seconds
-        if bucket is not None:  # each rank sends its wire bytes at once: one bucket per direction, alike
-            seconds += bucket.seconds(start, c.wire_bytes) - c.wire_bytes / rate
-        comm_free = start + seconds
-        return comm_free
-
-    timed: list[TimedAction] = []
-    now = 0.0
-
-    def run(ready: float, seconds: float, action: Action, prefetch=None) -> None:
-        """Wait for the unit's weights, issue the prefetch as it starts, compute."""
-        nonlocal now, exposed
-        start = max(now, ready)
-        exposed += start - now
-        if prefetch is not None:
-            prefetch(start)
-        now = start + seconds
-        timed.append(TimedAction(action, start, now))
-
-    blocking = not cluster.device.streams  # no streams: each collective is waited for where it is issued
-
-    def gather(u: int, at: float) -> None:
-        ready[u] = issue(at, comms[u][0])
-
+    stream = _CommStream(link)
+    rank = _FsdpRank(comms, stream, blocking=not cluster.device.streams)  # no streams: each collective waited for
     for m in range(N):
-        ready = [0.0] * U
-        gather(0, now)
-        for u in range(U):  # forward: embedding, layers, root
-            if blocking and u > 0:
-                gather(u, now)
-            prefetch = None if blocking or u + 1 == U else (lambda at, u=u: gather(u + 1, at))
-            kind = Kind.LOSS if u == U - 1 else Kind.FORWARD
-            run(ready[u], forward[u], Action(kind, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))), prefetch)
-        gather(U - 1, now)  # the root, gathered again for its backward
-        for u in reversed(range(U)):  # backward: root, layers, embedding
-            if blocking and u < U - 1:
-                gather(u, now)
-            prefetch = None if blocking or u == 0 else (lambda at, u=u: gather(u - 1, at))
-            run(ready[u], backward[u], Action(Kind.BACKWARD, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))), prefetch)
-            done = issue(now, comms[u][1])
-            if blocking:
-                exposed += done - now
-                now = done
-    pipeline = max(now, comm_free)
-    exposed += pipeline - now
+        rank.microbatch(m, forward, backward, s.num_layers)
+    pipeline = max(rank.now, stream.free)
+    exposed = rank.exposed + pipeline - rank.now
     params = spec.rank_params(0) / (lay.dp * lay.cp)
     step = costs.fsdp_step if costs.fsdp_step is not None else params * costs.optimizer_per_param
     iteration = pipeline + step
-    compute = sum(a.end - a.start for a in timed)
+    compute = sum(a.end - a.start for a in rank.timed)
     wire = N * sum(2 * ag.wire_bytes + rs.wire_bytes for ag, rs in comms)
     n = len(lay.data_cp_ranks())  # the trainer counts a ring's bytes whatever the backend sends
     counted = N * sum(2 * ag.wire_bytes + (n - 1) / n * p * FSDP_GRAD_BYTES for (ag, _), (_, p) in zip(comms, fsdp_units(spec)))
@@ -136,7 +162,7 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
     tokens = spec.global_batch_size * s.seq_length
     peak = cluster.device.peak_tflops * 1e12 if cluster.device.peak_tflops else None
     flops = s.model_flops_per_microbatch() * N * lay.dp
-    trace = Trace(per_rank=(tuple(timed),), transfers=(), finish=(pipeline,), work=(compute,))
+    trace = Trace(per_rank=(tuple(rank.timed),), transfers=(), finish=(pipeline,), work=(compute,))
     mem = tuple(replace(m, transient=m.transient + 2 * s.layer_params(lay.tp) * (spec.compute_bytes + FSDP_GRAD_BYTES))
                 for m in base.memory)  # two gathered layers (the one computing, the prefetched) and a gradient
     return replace(base, iteration_s=iteration, pipeline_s=pipeline, tokens_per_s=tokens / iteration,
@@ -144,6 +170,11 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
                    bubble=1.0 - compute / pipeline if pipeline > 0 else 0.0,
                    bytes_per_link=({link.name: wire},), counter=({FSDP_KIND: int(counted)},), memory=mem,
                    trace=trace, phases=phases, work=(compute + step,))
+
+
+def project_floor(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
+    """The floor's result: ``base`` (the 1F1B replay of the same spec) with the floor's times."""
+    return replace(base, **floor_of(spec, base))
 
 
 def floor_of(spec: RunSpec, one_f_one_b) -> dict:
@@ -156,3 +187,7 @@ def floor_of(spec: RunSpec, one_f_one_b) -> dict:
     if one_f_one_b.mfu is not None:
         mfu = one_f_one_b.mfu * one_f_one_b.iteration_s / iteration
     return dict(iteration_s=iteration, pipeline_s=pipeline, tokens_per_s=tokens / iteration, mfu=mfu, bubble=0.0)
+
+
+# registry projection -> (spec, cluster, costs, base replay) -> ScheduleResult
+PROJECTIONS = {registry.FSDP: simulate_fsdp, registry.FLOOR: project_floor}

@@ -15,6 +15,7 @@ from megatron_weipipe.arguments import add_pretrain_flags, config_from_args
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.errors import ConfigError
 from megatron_weipipe.flags import add_flags, from_args
+from megatron_weipipe.schedules import registry
 
 from megatron_weipipe.errors import require_simulable
 from .options import OPTION_GROUPS, CalibrationOptions, HardwareOptions, OutputOptions, SimulationOptions
@@ -73,8 +74,8 @@ def schedule_names(a: SimulatorArgs) -> list[str]:
     if a.config.parallel.pipeline_schedule:
         return [a.config.parallel.pipeline_schedule]
     if a.config.parallel.pipeline_model_parallel_size == 1:
-        return ["none"]
-    return ["1f1b", "interleaved", "weipipe-interleave", "weipipe-zb"]
+        return [registry.default_schedule_name(a.config)]
+    return list(registry.compared_by_default())
 
 
 def build_cluster(hw: HardwareOptions):
@@ -102,22 +103,22 @@ def build_cluster(hw: HardwareOptions):
 
 def run_specs(a: SimulatorArgs) -> list:
     """One RunSpec per compared schedule, each checked by the training rules; raises ConfigError."""
-    from .run_spec import BASELINES, for_schedule, schedule_choices, spec_from_config
+    from .run_spec import for_schedule, spec_from_config
 
     names = schedule_names(a)
     for n in names:
-        require_simulable(n in schedule_choices(), f"--schedules: {n!r} is unknown; choose from {', '.join(schedule_choices())}")
+        require_simulable(n in registry.simulated_names(),
+                          f"--schedules: {n!r} is unknown; choose from {', '.join(registry.simulated_names())}")
     factors = kernel_efficiencies(a.sim.kernel_efficiency, names)
     specs = []
     for n in names:
+        entry = registry.simulated(n)
         spec = spec_from_config(for_schedule(a.config, n), virtual_stages=a.sim.virtual_stages,
-                                zero3=a.sim.zero3 or n == "fsdp",
+                                zero3=a.sim.zero3 or entry.projection == registry.FSDP,
                                 attention_impl="unfused" if a.calibrated else "flash",
                                 weight_pass=a.sim.weipipe_weight_pass,
                                 offload_checkpoints=a.sim.fpdt_offload_checkpoints)
-        if n in BASELINES:
-            spec = replace(spec, schedule=n)
-        specs.append(replace(spec, kernel_efficiency=factors[n]).validate())
+        specs.append(replace(spec, schedule=n, kernel_efficiency=factors[n]).validate())
     return specs
 
 

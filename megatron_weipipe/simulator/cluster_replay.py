@@ -1,6 +1,6 @@
 """Discrete-event replay of per-rank action lists on devices and links.
 
-The event loop and the timed types are the schedules' own (schedules/events.py,
+The event loop and the timed types are the schedules' own (schedules/timing/replay.py,
 which the tick simulator runs too); this module adds the cluster: compute seconds per
 action, a link per pair of ranks, hosts whose cores the ranks share.
 
@@ -10,7 +10,7 @@ Two posting rules, one per runtime that executes these lists:
   until the end of the rank's list; the irecv of a RECV at tick t is posted when the
   rank starts its first action of tick t - lookahead, and the RECV waits for the data.
 - "blocking" (megatron-core's p2p with overlap off, the trainer's setting): the
-  SEND/RECV actions form megatron-core's calls (schedules/calls.py), for 1F1B and
+  SEND/RECV actions form megatron-core's calls (schedules/check/calls.py), for 1F1B and
   interleaved 1F1B alike, each posted together and waited for, sends included, before
   the rank computes again.
 

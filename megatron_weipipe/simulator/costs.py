@@ -5,7 +5,7 @@ elementwise work and the tensor/context-parallel collectives inside a layer, whi
 Megatron does not overlap), or a HostCalibration of this machine.
 
 A split backward (weipipe-zb's BACKWARD_INPUT / BACKWARD_WEIGHT) is priced the way the
-runtime's `weight_pass` runs it:
+runtime's `weight_pass` runs it (config.WeightPass, config.SIMULATED_WEIGHT_PASSES):
 - "stored": I computes both gradients in one pass (a full backward), W only adds the
   stored weight gradient to the travelling token;
 - "replay": I is an input-gradient pass keeping the graph, W a second autograd pass,
@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
+from megatron_weipipe.config import WeightPass
 from megatron_weipipe.schedules.ir.actions import Action, Kind, Schedule
 
 from . import collectives
@@ -59,7 +60,7 @@ class CostModel:
     head_backward: float
     optimizer_per_param: float
     recompute: bool = False
-    weight_pass: str = "stored"  # how WeiPipe's runtime splits a backward (see the module doc)
+    weight_pass: str = WeightPass.STORED  # how WeiPipe's runtime splits a backward (see the module doc)
     grad_add: float = 0.0  # adding a chunk's weight gradient into the gradient token
     # FSDP2's fixed CPU seconds per unit and pass (hooks, DTensor bookkeeping, each collective's
     # own cost), and the step after an FSDP iteration's microbatches (None: the optimizer over
@@ -87,10 +88,10 @@ class CostModel:
             if a.kind is Kind.BACKWARD:
                 return t.backward + re + (self.embed_backward if first else 0.0)
             if a.kind is Kind.BACKWARD_INPUT:
-                i = t.backward if self.weight_pass == "stored" else t.backward_input
+                i = t.backward if self.weight_pass == WeightPass.STORED else t.backward_input
                 return i + re + (self.embed_backward if first else 0.0)
             if a.kind is Kind.BACKWARD_WEIGHT:
-                return self.grad_add if self.weight_pass == "stored" else t.backward_weight
+                return self.grad_add if self.weight_pass == WeightPass.STORED else t.backward_weight
             return 0.0
 
         def megatron_cost(a: Action) -> float:
@@ -110,8 +111,8 @@ class CostModel:
 
 
 def from_calibration(cal: HostCalibration, layers: int, recompute: bool = False,
-                     weight_pass: str = "stored") -> CostModel:
-    if weight_pass == "ideal":
+                     weight_pass: str = WeightPass.STORED) -> CostModel:
+    if weight_pass == WeightPass.IDEAL:
         raise SimulatorError("--weipipe-weight-pass ideal needs FLOP-based costs (a GPU preset), not --calibrate")
     base = CostModel(cal.module, cal.flat, cal.embed_forward, cal.embed_backward, cal.head_forward,
                      cal.head_backward, cal.optimizer_per_param, recompute, weight_pass)
@@ -125,7 +126,7 @@ class FlopOptions:
     tp_link: LinkSpec = LinkSpec("none", 1e9, 0.0)
     cp_link: LinkSpec = LinkSpec("none", 1e9, 0.0)
     dtype_bytes: int = 2
-    weight_pass: str = "stored"  # stored | replay | ideal, see the module doc
+    weight_pass: str = WeightPass.STORED  # one of config.SIMULATED_WEIGHT_PASSES, see the module doc
     recompute: bool = False
     extra_forward: float = 0.0  # seconds added to every layer forward (e.g. FPDT chunking)
     extra_backward: float = 0.0
@@ -151,7 +152,7 @@ def layer_times(shape: ModelShape, device: DeviceSpec, o: FlopOptions) -> tuple[
 def from_flops(shape: ModelShape, device: DeviceSpec, layers: int, o: FlopOptions) -> CostModel:
     f, i, w = layer_times(shape, device, o)
     k = layers
-    wpass = k * w if o.weight_pass == "ideal" else (k - 1) * (i + w) + w
+    wpass = k * w if o.weight_pass == WeightPass.IDEAL else (k - 1) * (i + w) + w
     chunk = ChunkTimes(k, k * f, k * (i + w), k * i, wpass)
     module = replace(chunk, backward_weight=k * w)
     weights = k * shape.layer_params(o.tp)
@@ -165,6 +166,6 @@ def from_flops(shape: ModelShape, device: DeviceSpec, layers: int, o: FlopOption
         module=module, flat=chunk, embed_forward=embed, embed_backward=2 * embed,
         head_forward=head_gemm + ce, head_backward=2 * head_gemm + ce,
         optimizer_per_param=OPTIMIZER_BYTES_PER_PARAM / hbm, recompute=o.recompute,
-        weight_pass="replay" if o.weight_pass == "ideal" else o.weight_pass,
+        weight_pass=WeightPass.REPLAY if o.weight_pass == WeightPass.IDEAL else o.weight_pass,
         grad_add=weights * 4 * 3 / hbm,  # read token and gradient, write token (fp32)
     )

@@ -344,7 +344,7 @@ class StateBytes:
 
 
 def fsdp2_state_bytes(shards: int) -> StateBytes:
-    """schedules/gpt/fsdp.py: fp32 weights (the master), fp32 grads (reduce dtype) and
+    """model/fsdp.py: fp32 weights (the master), fp32 grads (reduce dtype) and
     Adam's two fp32 moments, every one sharded."""
     return StateBytes(param=4, grad=4, optimizer=8, optimizer_shards=shards, param_shards=shards)
 

@@ -6,21 +6,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_weipipe.config import SIMULATED_WEIGHT_PASSES, WeightPass
 from megatron_weipipe.flags import option
+from megatron_weipipe.schedules import registry
 
 
 @dataclass
 class SimulationOptions:
     num_gpus: Optional[int] = option(None, help="world size (default TP x PP x CP: one replica)")
     schedules: Optional[str] = option(
-        None, help="comma list of schedules to compare (default: --pipeline-schedule if given, else none at PP=1, "
-                   "otherwise 1f1b, interleaved, weipipe-interleave, weipipe-zb); baselines training does not run: "
+        None, help=f"comma list of schedules to compare (default: --pipeline-schedule if given, else none at PP=1, "
+                   f"otherwise {', '.join(registry.compared_by_default())}); baselines training does not run: "
                    "zb-h1 (zero-bubble 1F1B), floor (N x the slowest stage), fsdp (ZeRO-3 over the same GPUs, PP=1)")
     virtual_stages: int = option(2, help="model chunks per rank for interleaved when "
                                          "--num-layers-per-virtual-pipeline-stage is not given")
     zero3: bool = option(False, help="memory as DeepSpeed ZeRO-3 keeps it (weights, grads, Adam sharded over DP x CP)")
     weipipe_weight_pass: str = option(
-        "stored", choices=("stored", "replay", "ideal"),
+        WeightPass.STORED, choices=SIMULATED_WEIGHT_PASSES,
         help="how weipipe-zb's split backward is priced: stored (I does both gradients, W adds them), replay (W "
              "is a second autograd pass), ideal (per-layer weight-gradient kernels, as GPT training's deferred "
              "weight GEMMs run; FLOP-based costs only)")

@@ -1,6 +1,6 @@
 """One schedule, one run configuration: replay, collectives, optimizer, memory, bytes.
 
-The pipeline part is the event replay of the schedule's action lists (events.py) for
+The pipeline part is the event replay of the schedule's action lists (cluster_replay.py) for
 one pipeline / WeiPipe ring; data-parallel replicas and tensor-parallel peers run the
 same lists, so their work shows up as collectives only. After the lists, what
 pretrain() runs per iteration follows, in order:
@@ -14,9 +14,11 @@ pretrain() runs per iteration follows, in order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from megatron_weipipe.config import WeightPass
+from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule
 
 from . import collectives, memory
@@ -56,24 +58,19 @@ def _ring(spec: RunSpec) -> list[int]:
 
 
 def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleResult:
+    """The iteration of one schedule: the replay of its lists and what pretrain() runs after
+    them, or a baseline's projection from the replay of its base (registry.ScheduleEntry)."""
     spec.validate()
     cluster.validate()
-    if spec.schedule in ("floor", "fsdp"):
-        from dataclasses import replace
-
+    e = spec.entry
+    if e.projection != registry.REPLAY:
         from . import baselines
 
-        base = simulate_run(replace(spec, schedule="1f1b" if spec.schedule == "floor" else "none"), cluster, costs)
-        if spec.schedule == "fsdp":
-            return baselines.simulate_fsdp(spec, cluster, costs, replace(base, spec=spec))
-        return replace(base, spec=spec, **baselines.floor_of(spec, base))
-    zb = None
-    if spec.schedule == "zb-h1":  # its order is built for this stage's costs
-        t = costs.for_layers(spec.layers_per_chunk).module
-        zb = (t.forward, t.backward_input + (t.forward if costs.recompute else 0.0), t.backward_weight)
-    schedule = spec.build_schedule(zb)
+        base = simulate_run(replace(spec, schedule=e.replayed_as), cluster, costs)
+        return baselines.PROJECTIONS[e.projection](spec, cluster, costs, replace(base, spec=spec))
+    schedule = spec.build_schedule(_stage_costs(spec, costs) if e.costed_timeline else None)
     ring = _ring(spec)
-    P, lay, s = spec.layout.pp, spec.layout, spec.shape
+    lay, s = spec.layout, spec.shape
     fp = None
     if spec.fpdt is not None:
         fp = analyse(s, spec.fpdt, cluster, cp=lay.cp, tp=lay.tp, dtype_bytes=spec.compute_bytes)
@@ -81,39 +78,55 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
         duration=_scaled(costs.duration(schedule), spec.kernel_efficiency),
         message_bytes=spec.message_bytes,
         link=lambda a, b: cluster.link(ring[a], ring[b]),
-        semantics="blocking" if spec.schedule in ("1f1b", "interleaved", "none") else "async",
+        semantics=e.posting,
         lookahead=spec.lookahead,
         host_of=(lambda r: cluster.node(ring[r])) if cluster.cores_per_node else None,
         cores_per_host=cluster.cores_per_node,
         background=cluster.background_tasks,
     )
     trace = replay(schedule, model)
-    end = list(trace.finish)
-    wire: list[dict[str, float]] = [dict(d) for d in trace.bytes_sent()]
-    phases: dict[str, float] = {}
+    after = _after_lists(spec, cluster, costs, trace)
+    iteration = after.iteration
+    tokens = spec.global_batch_size * s.seq_length
+    flops = s.model_flops_per_microbatch() * spec.num_microbatches * lay.dp
+    peak = cluster.device.peak_tflops * 1e12 if cluster.device.peak_tflops else None
+    mfu = flops / (iteration * lay.world * peak) if peak else None
+    return ScheduleResult(
+        spec=spec, iteration_s=iteration, pipeline_s=trace.makespan, tokens_per_s=tokens / iteration, mfu=mfu,
+        bubble=trace.bubble_fraction, bytes_per_link=tuple(after.wire), counter=counter_bytes(spec, schedule),
+        memory=rank_memory(spec, schedule, fp), trace=trace, phases=after.phases, fpdt=fp, work=after.work,
+    )
 
-    def add_wire(r: int, group: list[int], nbytes: float) -> None:
+
+def _stage_costs(spec: RunSpec, costs: CostModel) -> tuple[float, float, float]:
+    """(F, I, W) seconds of one stage, which a costed timeline's order is built for."""
+    t = costs.for_layers(spec.layers_per_chunk).module
+    return t.forward, t.backward_input + (t.forward if costs.recompute else 0.0), t.backward_weight
+
+
+@dataclass
+class _AfterLists:
+    """What pretrain() runs after the lists, per ring rank: finish times, wire bytes, phases."""
+
+    end: list[float]
+    wire: list[dict[str, float]]
+    phases: dict[str, float] = field(default_factory=dict)
+    iteration: float = 0.0
+    work: tuple[float, ...] = ()
+
+    def add_wire(self, cluster: Cluster, ring: list[int], r: int, group: list[int], nbytes: float) -> None:
         if len(group) > 1:
             g = group.index(ring[r]) if ring[r] in group else 0
             link = cluster.link(group[g], group[(g + 1) % len(group)]).name
-            wire[r][link] = wire[r].get(link, 0.0) + nbytes
+            self.wire[r][link] = self.wire[r].get(link, 0.0) + nbytes
 
-    # gradient reductions after the lists
-    if spec.is_weipipe:
-        rep = spec.replicated_params() * 4
-        ar = collectives.all_reduce(rep, P, cluster.slowest_link(ring))
-        t = max(end) + ar.seconds
-        end = [t] * P
-        phases["ring all-reduce of replicated grads"] = ar.seconds
-        for r in range(P):
-            add_wire(r, ring, ar.wire_bytes)
-    elif P > 1 and not s.untie_embeddings_and_output_weights:
-        emb = collectives.all_reduce(s.word_embedding_params(lay.tp) * 4, 2, cluster.link(ring[0], ring[-1]))
-        t = max(end[0], end[-1]) + emb.seconds
-        end[0] = end[-1] = t
-        phases["embedding all-reduce (first, last stage)"] = emb.seconds
-        for r in (0, P - 1):
-            add_wire(r, [ring[0], ring[-1]], emb.wire_bytes)
+
+def _after_lists(spec: RunSpec, cluster: Cluster, costs: CostModel, trace: Trace) -> _AfterLists:
+    """Gradient reductions, the flag barrier, the optimizer step and the distributed
+    optimizer's parameter all-gather, after the replayed lists."""
+    ring, P, lay = _ring(spec), spec.layout.pp, spec.layout
+    out = _AfterLists(end=list(trace.finish), wire=[dict(d) for d in trace.bytes_sent()])
+    _reduce_replicated(spec, cluster, ring, out)
     dp_group_size = lay.dp * lay.cp
     dp_costs = []
     for r in range(P):
@@ -123,14 +136,14 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
         c = (collectives.reduce_scatter(nbytes, dp_group_size, link) if spec.distributed_optimizer
              else collectives.all_reduce(nbytes, dp_group_size, link))
         dp_costs.append(c.seconds)
-        end[r] += c.seconds
-        add_wire(r, group, c.wire_bytes)
-    phases["data-parallel gradient reduction (slowest rank)"] = max(dp_costs)
-    barrier = max(end)
+        out.end[r] += c.seconds
+        out.add_wire(cluster, ring, r, group, c.wire_bytes)
+    out.phases["data-parallel gradient reduction (slowest rank)"] = max(dp_costs)
+    barrier = max(out.end)
     shards = dp_group_size if spec.distributed_optimizer else 1
     opt = max(spec.rank_params(r) / shards * costs.optimizer_per_param for r in range(P))
-    phases["optimizer step (slowest rank)"] = opt
-    work = tuple(trace.work[r] + spec.rank_params(r) / shards * costs.optimizer_per_param for r in range(P))
+    out.phases["optimizer step (slowest rank)"] = opt
+    out.work = tuple(trace.work[r] + spec.rank_params(r) / shards * costs.optimizer_per_param for r in range(P))
     gather = 0.0
     if spec.distributed_optimizer and dp_group_size > 1:
         for r in range(P):
@@ -138,19 +151,31 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
             c = collectives.all_gather(spec.rank_params(r) * spec.compute_bytes, dp_group_size,
                                        cluster.slowest_link(group))
             gather = max(gather, c.seconds)
-            add_wire(r, group, c.wire_bytes)
-        phases["parameter all-gather (distributed optimizer)"] = gather
-    iteration = barrier + opt + gather
-    pipeline = trace.makespan
-    tokens = spec.global_batch_size * s.seq_length
-    flops = s.model_flops_per_microbatch() * spec.num_microbatches * lay.dp
-    peak = cluster.device.peak_tflops * 1e12 if cluster.device.peak_tflops else None
-    mfu = flops / (iteration * lay.world * peak) if peak else None
-    return ScheduleResult(
-        spec=spec, iteration_s=iteration, pipeline_s=pipeline, tokens_per_s=tokens / iteration, mfu=mfu,
-        bubble=trace.bubble_fraction, bytes_per_link=tuple(wire), counter=counter_bytes(spec, schedule),
-        memory=rank_memory(spec, schedule, fp), trace=trace, phases=phases, fpdt=fp, work=work,
-    )
+            out.add_wire(cluster, ring, r, group, c.wire_bytes)
+        out.phases["parameter all-gather (distributed optimizer)"] = gather
+    out.iteration = barrier + opt + gather
+    return out
+
+
+def _reduce_replicated(spec: RunSpec, cluster: Cluster, ring: list[int], out: _AfterLists) -> None:
+    """WeiPipe: the ring all-reduce of the replicated parameters' gradients; Megatron: the
+    tied word embedding's all-reduce between the first and the last stage."""
+    P, lay, s = spec.layout.pp, spec.layout, spec.shape
+    end = out.end
+    if spec.is_weipipe:
+        ar = collectives.all_reduce(spec.replicated_params() * 4, P, cluster.slowest_link(ring))
+        t = max(end) + ar.seconds
+        end[:] = [t] * P
+        out.phases["ring all-reduce of replicated grads"] = ar.seconds
+        for r in range(P):
+            out.add_wire(cluster, ring, r, ring, ar.wire_bytes)
+    elif P > 1 and not s.untie_embeddings_and_output_weights:
+        emb = collectives.all_reduce(s.word_embedding_params(lay.tp) * 4, 2, cluster.link(ring[0], ring[-1]))
+        t = max(end[0], end[-1]) + emb.seconds
+        end[0] = end[-1] = t
+        out.phases["embedding all-reduce (first, last stage)"] = emb.seconds
+        for r in (0, P - 1):
+            out.add_wire(cluster, ring, r, [ring[0], ring[-1]], emb.wire_bytes)
 
 
 def _scaled(duration, efficiency: float):
@@ -229,8 +254,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     k = spec.layers_per_chunk
     per_layer = memory.layer_activation_bytes(s, act_opts)
     per_input = memory.layer_input_bytes(s, act_opts)
-    in_flight = memory.peak_in_flight(schedule, freed_at_input=spec.weight_pass == "stored")
-    pools = memory.pool_sets(schedule, freed_at_input=spec.weight_pass == "stored")
+    in_flight = memory.peak_in_flight(schedule, freed_at_input=spec.weight_pass == WeightPass.STORED)
+    pools = memory.pool_sets(schedule, freed_at_input=spec.weight_pass == WeightPass.STORED)
     buffers = memory.peak_buffers(schedule, spec.lookahead) if spec.is_weipipe else None
     chunk = spec.chunk_params()
     logits = memory.logits_bytes(s, lay.tp, lay.cp)

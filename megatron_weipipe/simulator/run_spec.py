@@ -2,36 +2,32 @@
 
 The simulator's flags are pretrain_gpt.py's own (plus hardware and what-if options), so
 a run description comes from the same ``PretrainConfig`` and is checked by the same
-rules (the configs' and the schedule's), never by a second copy of them.
+rules (the configs' and the schedule's), never by a second copy of them. A RunSpec made
+from a configuration keeps it (``config``): the fields the simulator models are the
+spec's own and written back over it, every other field the rules read is carried as it
+was given. Which schedule is what (a pipeline, virtual stages, a baseline and the
+trained schedule whose rules it obeys) is the registry's (schedules/registry.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from megatron_weipipe.arguments import check_config
-from megatron_weipipe.config import ModelConfig, ParallelConfig, PretrainConfig, TrainingConfig
-from megatron_weipipe.data.config import DataConfig
+from megatron_weipipe.config import PretrainConfig, WeightPass
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.ir.actions import Action, Flow, Schedule
 from megatron_weipipe.schedules.generate.weipipe import generate
-from megatron_weipipe.schedules.generate.megatron_timeline import megatron_timeline
-from megatron_weipipe.schedules.generate.zb_h1 import zb_h1_timeline
 from megatron_weipipe.shape import ModelShape
 
-from megatron_weipipe.errors import SimulatorError, require_simulable
+from megatron_weipipe.errors import require_simulable
 from .fpdt import FPDTSpec
 from megatron_weipipe.simulator.rank_order import Layout
 
 DEFAULT_VOCAB_SIZE = 32000  # when --vocab-size is not given (the simulator has no tokenizer)
-
-# Baselines the simulator compares with but training does not run, each checked by the
-# training rules of the schedule it is closest to: ZB-H1 (a 1F1B pipeline with a split
-# backward), the floor of any activation pipeline (N x the slowest stage, no bubble, no
-# wire), FSDP / ZeRO-3 (no pipeline: PP = 1, data parallel over the same GPUs).
-BASELINES = {"zb-h1": "1f1b", "floor": "1f1b", "fsdp": "none"}
+DEFAULT_DROPOUT = 0.1  # the trainer's default --hidden-dropout / --attention-dropout
 
 
 @dataclass(frozen=True)
@@ -56,13 +52,24 @@ class RunSpec:
     dropout: bool = True
     fpdt: Optional[FPDTSpec] = None
     lookahead: int = 1
-    weight_pass: str = "stored"  # WeiPipe's split backward: activations freed at I ("stored") or at W
+    weight_pass: str = WeightPass.STORED  # WeiPipe's split backward: activations freed at I (stored) or at W
     kernel_efficiency: float = 1.0  # compute speed of this schedule's kernels relative to the cost model
+    # the training configuration this spec was made from (spec_from_config): what the spec
+    # does not model keeps its values there when the rules check the spec (spec_to_config)
+    config: Optional[PretrainConfig] = field(default=None, compare=False, repr=False)
+
+    @property
+    def entry(self) -> registry.ScheduleEntry:
+        """The registry's facts of the simulated schedule (a trained one or a baseline)."""
+        found = registry.simulated(self.schedule)
+        require_simulable(found is not None,
+                          f"--schedules: {self.schedule!r} is unknown; choose from {', '.join(registry.simulated_names())}")
+        return found
 
     @property
     def training_schedule(self) -> str:
         """The schedule whose training rules apply (a baseline's nearest trained schedule)."""
-        return BASELINES.get(self.schedule, self.schedule)
+        return self.entry.trained_as or self.schedule
 
     @property
     def num_microbatches(self) -> int:
@@ -70,12 +77,16 @@ class RunSpec:
 
     @property
     def is_weipipe(self) -> bool:
-        return registry.entry(self.training_schedule).family == registry.WEIPIPE
+        return registry.training_entry(self.schedule).is_weipipe
+
+    @property
+    def has_virtual_stages(self) -> bool:
+        return registry.training_entry(self.schedule).virtual_stages
 
     @property
     def stages(self) -> int:
-        """Model chunks in the pipeline (P, or P x V for interleaved)."""
-        return self.layout.pp * (self.virtual_stages if self.schedule == "interleaved" else 1)
+        """Model chunks in the pipeline (P, or P x V with virtual stages)."""
+        return self.layout.pp * (self.virtual_stages if self.has_virtual_stages else 1)
 
     @property
     def layers_per_chunk(self) -> int:
@@ -83,31 +94,33 @@ class RunSpec:
 
     def validate(self) -> "RunSpec":
         """The training rules of the run this simulates, then what the simulator itself needs."""
-        s, lay = self.shape, self.layout
-        P, L = lay.pp, s.num_layers
-        require_simulable(registry.find(self.training_schedule) is not None,
-                f"--schedules: {self.schedule!r} is unknown; choose from {', '.join(schedule_choices())}")
+        P, L = self.layout.pp, self.shape.num_layers
+        e = self.entry
         require_simulable(self.kernel_efficiency > 0, f"--kernel-efficiency of {self.schedule} must be positive")
         require_simulable(self.global_batch_size > 0, "--global-batch-size must be positive")
-        if self.training_schedule != "none" and P == 1:
-            raise SimulatorError(f"schedule {self.schedule} needs --pipeline-model-parallel-size >= 2")
-        if self.schedule == "interleaved":
+        require_simulable(not e.pipelined or P > 1,
+                          f"schedule {self.schedule} needs --pipeline-model-parallel-size >= 2")
+        if self.has_virtual_stages:
             V = self.virtual_stages
             require_simulable(V >= 2 and L % (P * V) == 0,
-                    f"interleaved needs --num-layers ({L}) divisible by pipeline size x virtual stages ({P} x {V})")
+                              f"{self.schedule} needs --num-layers ({L}) divisible by pipeline size x virtual "
+                              f"stages ({P} x {V})")
         check_config(spec_to_config(self), check_data=False)
         return self
 
     def build_schedule(self, zb_costs: Optional[tuple[float, float, float]] = None) -> Schedule:
-        """The action lists; ``zb_costs``: (F, I, W) of one stage, which zb-h1's order is built for."""
+        """The action lists; ``zb_costs``: (F, I, W) of one stage, which a costed timeline's
+        order (zb-h1's) is built for."""
         P, N = self.layout.pp, self.num_microbatches
-        if self.is_weipipe:
+        e = self.entry
+        if e.replayed_as is not None:
+            return replace(self, schedule=e.replayed_as).build_schedule(zb_costs)
+        if e.compute_plan is not None:
             return generate(self.schedule, P, N // P)
-        if self.schedule == "interleaved":
-            return megatron_timeline("interleaved", P, N, self.virtual_stages)
-        if self.schedule == "zb-h1":
-            return zb_h1_timeline(P, N, zb_costs or (1.0, 1.0, 1.0))
-        return megatron_timeline("1f1b", P, N)
+        if e.costed_timeline is not None:
+            return registry.load(e.costed_timeline)(P, N, zb_costs or (1.0, 1.0, 1.0))
+        V = self.virtual_stages if e.virtual_stages else 1
+        return registry.load(e.timeline)(self.schedule, P, N, V)
 
     # ------------------------------------------------------------ sizes
     def chunk_params(self) -> int:
@@ -152,47 +165,74 @@ class RunSpec:
 
 
 
-def schedule_choices() -> tuple[str, ...]:
-    """Every name --schedules takes: the trained schedules, then the baselines."""
-    return registry.names() + tuple(BASELINES)
+def _has_dropout(m) -> bool:
+    return m.hidden_dropout > 0 or m.attention_dropout > 0
+
+
+def _model_config(spec: RunSpec, base: PretrainConfig, kept: bool):
+    """The model section: the spec's shape, recomputation, dropout and layer-input offload
+    over ``base``'s; a field the spec reduces to a yes/no (dropout, recomputation) keeps
+    ``base``'s value where the spec agrees with it (``kept``: base is the spec's own config)."""
+    s, m = spec.shape, base.model
+    own = {name: getattr(s, name) for name in m.shape_fields()}
+    if not (kept and spec.dropout == _has_dropout(m)):
+        long_context = spec.layout.cp > 1 or spec.fpdt is not None
+        p = DEFAULT_DROPOUT if spec.dropout else 0.0
+        own.update(hidden_dropout=p, attention_dropout=0.0 if long_context else p)
+    if not (kept and spec.recompute == (m.recompute_granularity == "full")):
+        own.update(recompute_granularity="full" if spec.recompute else None,
+                   recompute_method="uniform" if spec.recompute else None, recompute_num_layers=None)
+    gqa = m.group_query_attention if kept else s.num_query_groups is not None
+    return replace(m, **own, group_query_attention=gqa, offload_layer_inputs=spec.offload_layer_inputs)
+
+
+def _parallel_config(spec: RunSpec, base: PretrainConfig):
+    lay = spec.layout
+    vpp = spec.shape.num_layers // (lay.pp * spec.virtual_stages) if spec.has_virtual_stages else None
+    return replace(
+        base.parallel, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+        context_parallel_size=lay.cp, num_layers_per_virtual_pipeline_stage=vpp,
+        pipeline_schedule=spec.training_schedule, sequence_parallel=spec.sequence_parallel,
+        use_distributed_optimizer=spec.distributed_optimizer, use_torch_fsdp2=spec.torch_fsdp2,
+        weipipe_grad_dtype="bf16" if spec.weipipe_grad_bytes == 2 else "fp32",
+    )
+
+
+def _training_config(spec: RunSpec, base: PretrainConfig):
+    t = base.training
+    precision = {}
+    if spec.compute_bytes != t.compute_bytes:  # else --bf16 / --fp16 as given
+        precision = dict(bf16=spec.compute_bytes == 2, fp16=False)
+    return replace(t, micro_batch_size=spec.shape.micro_batch_size, global_batch_size=spec.global_batch_size,
+                   **precision)
+
+
+def _fpdt_config(spec: RunSpec, base: PretrainConfig) -> FPDTConfig:
+    if spec.fpdt is None:
+        return replace(base.fpdt, enabled=False)
+    return FPDTConfig(**{f.name: getattr(spec.fpdt, f.name) for f in fields(FPDTConfig)})
 
 
 def spec_to_config(spec: RunSpec) -> PretrainConfig:
-    """The training configuration a RunSpec simulates (validated with the training rules)."""
-    s, lay = spec.shape, spec.layout
-    long_context = lay.cp > 1 or spec.fpdt is not None
-    model = ModelConfig.from_shape(
-        s,
-        hidden_dropout=0.1 if spec.dropout else 0.0,
-        attention_dropout=0.1 if spec.dropout and not long_context else 0.0,
-        recompute_granularity="full" if spec.recompute else None,
-        recompute_method="uniform" if spec.recompute else None,
-    )
-    vpp = None
-    if spec.schedule == "interleaved":
-        vpp = s.num_layers // (lay.pp * spec.virtual_stages)
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp, context_parallel_size=lay.cp,
-        num_layers_per_virtual_pipeline_stage=vpp, pipeline_schedule=spec.training_schedule,
-        sequence_parallel=spec.sequence_parallel, use_distributed_optimizer=spec.distributed_optimizer,
-        weipipe_grad_dtype="bf16" if spec.weipipe_grad_bytes == 2 else "fp32",
-    )
-    training = TrainingConfig(micro_batch_size=s.micro_batch_size, global_batch_size=spec.global_batch_size,
-                              bf16=spec.compute_bytes == 2)
-    fpdt = FPDTConfig()
-    if spec.fpdt is not None:
-        fpdt = FPDTConfig(enabled=True, chunk_size=spec.fpdt.chunk_size, offload=spec.fpdt.offload)
-    data = DataConfig(seq_length=s.seq_length, mock_data=True, vocab_size=s.vocab_size)
-    return PretrainConfig(model=model, parallel=parallel, training=training, data=data, fpdt=fpdt,
-                          world_size=lay.world)
+    """The training configuration a RunSpec simulates (validated with the training rules):
+    the spec's ``config`` (or the defaults) with every field the spec models written over it."""
+    kept = spec.config is not None
+    base = spec.config or PretrainConfig()
+    s = spec.shape
+    vocab = base.data.vocab_size if kept and (base.data.vocab_size or DEFAULT_VOCAB_SIZE) == s.vocab_size \
+        else s.vocab_size
+    data = replace(base.data, seq_length=s.seq_length, vocab_size=vocab, mock_data=base.data.mock_data or not kept)
+    return replace(base, model=_model_config(spec, base, kept), parallel=_parallel_config(spec, base),
+                   training=_training_config(spec, base), data=data, fpdt=_fpdt_config(spec, base),
+                   world_size=spec.layout.world)
 
 
 def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: bool = False,
-                     attention_impl: str = "flash", weight_pass: str = "stored",
+                     attention_impl: str = "flash", weight_pass: str = WeightPass.STORED,
                      offload_checkpoints: bool = False) -> RunSpec:
     """The RunSpec of a training configuration; the arguments are what training has no flag for.
 
-    ``virtual_stages`` is the interleaved schedule's model chunks per rank when
+    ``virtual_stages`` is the model chunks per rank of a schedule with virtual stages when
     --num-layers-per-virtual-pipeline-stage is not given.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -204,7 +244,7 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
         virtual_stages = p.virtual_pipeline_size(m.num_layers)
     fpdt: Optional[FPDTSpec] = None
     if cfg.fpdt.enabled:
-        fpdt = FPDTSpec(chunk_size=cfg.fpdt.chunk_size, offload=cfg.fpdt.offload,
+        fpdt = FPDTSpec(**{f.name: getattr(cfg.fpdt, f.name) for f in fields(FPDTConfig)},
                         offload_checkpoints=offload_checkpoints)
     return RunSpec(
         shape=shape, layout=layout, global_batch_size=t.global_batch_size, schedule=cfg.schedule_name,
@@ -212,16 +252,22 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
         compute_bytes=t.compute_bytes, weipipe_grad_bytes=2 if p.weipipe_grad_dtype == "bf16" else 4,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer, zero3=zero3,
         torch_fsdp2=p.use_torch_fsdp2, offload_layer_inputs=offload_checkpoints, attention_impl=attention_impl,
-        dropout=m.hidden_dropout > 0 or m.attention_dropout > 0, fpdt=fpdt,
-        weight_pass=weight_pass,
+        dropout=_has_dropout(m), fpdt=fpdt, weight_pass=weight_pass, config=cfg,
     )
 
 
 def for_schedule(cfg: PretrainConfig, name: str) -> PretrainConfig:
     """``cfg`` resolved for one of the schedules the simulator compares."""
-    if name != "interleaved" and cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
+    e = registry.simulated(name)
+    require_simulable(e is not None, f"--schedules: {name!r} is unknown; choose from {', '.join(registry.simulated_names())}")
+    trained = registry.training_entry(name)
+    if not trained.virtual_stages and cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
         cfg = replace(cfg, parallel=replace(cfg.parallel, num_layers_per_virtual_pipeline_stage=None))
-    if name == "fsdp":  # the same GPUs as data-parallel ranks, no pipeline
+    if e.projection == registry.FSDP:  # the same GPUs as data-parallel ranks, no pipeline
         p = cfg.parallel
         cfg = replace(cfg, parallel=replace(p, pipeline_model_parallel_size=1, pipeline_schedule=None))
-    return cfg.with_derived_defaults(BASELINES.get(name, name))
+    if (cfg.parallel.context_parallel_size > 1 or cfg.fpdt.enabled) and cfg.model.attention_dropout > 0:
+        # Ulysses / FPDT layers take no attention dropout (the trainer's rule): the run is
+        # projected as the trainer would have to be given it
+        cfg = replace(cfg, model=replace(cfg.model, attention_dropout=0.0))
+    return cfg.with_derived_defaults(trained.name)

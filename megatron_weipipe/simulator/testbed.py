@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from megatron_weipipe.config import WeightPass
+from megatron_weipipe.schedules import registry
 from megatron_weipipe.shape import ModelShape
 
 from .calibration import Fsdp2Overhead, HostCalibration
@@ -53,10 +55,16 @@ class TestbedShape:
 def testbed_spec(schedule: str, seq: int, shape: TestbedShape = TestbedShape()) -> RunSpec:
     """The RunSpec of one testbed row (validated by the training rules)."""
     require_simulable(schedule in TESTBED_SCHEDULES, f"testbed schedule {schedule!r} is not one of {', '.join(TESTBED_SCHEDULES)}")
-    layout = Layout(pp=1, dp=2) if schedule == "fsdp" else Layout(pp=2)
+    fsdp = _is_fsdp(schedule)
+    layout = Layout(pp=1, dp=2) if fsdp else Layout(pp=2)
     return RunSpec(shape=shape.model(seq), layout=layout, global_batch_size=shape.microbatches, schedule=schedule,
                    virtual_stages=2, compute_bytes=4, attention_impl="unfused+flash", dropout=False,
-                   zero3=schedule == "fsdp").validate()
+                   zero3=fsdp).validate()
+
+
+def _is_fsdp(schedule: str) -> bool:
+    """The FSDP row: PP = 1 and DP = 2 on the testbed's two ranks (the registry's FSDP projection)."""
+    return registry.simulated(schedule).projection == registry.FSDP
 
 
 def testbed_cluster(rate_bytes_s: float, latency_s: float, cpu_s_per_byte: float = 0.0,
@@ -88,16 +96,17 @@ def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s:
                              f"seq={c.seq_length}, the row of h={shape.hidden} heads={shape.heads} seq={seq}")
     if cpu_s_per_byte is None:
         cpu_s_per_byte = calibration.gloo_cpu_s_per_byte
-    costs = from_calibration(calibration, spec.layers_per_chunk, recompute=False, weight_pass="stored")
+    costs = from_calibration(calibration, spec.layers_per_chunk, recompute=False, weight_pass=WeightPass.STORED)
     if calibration.optimizer_per_param <= 0:
         costs = replace(costs, optimizer_per_param=0.0)
-    if schedule == "fsdp" and fsdp2 is not None:
+    fsdp_measured = _is_fsdp(schedule) and fsdp2 is not None
+    if fsdp_measured:
         costs = replace(costs, fsdp_unit_forward=fsdp2.unit_forward_s, fsdp_unit_backward=fsdp2.unit_backward_s,
                         fsdp_step=fsdp2.step_s)
     else:
         latency_s += message_s
     res = simulate_run(spec, testbed_cluster(rate_bytes_s, latency_s, cpu_s_per_byte, burst_bytes), costs)
-    if (schedule == "fsdp" and fsdp2 is not None) or not loop_s:
+    if fsdp_measured or not loop_s:
         return res
     iteration = res.iteration_s + loop_s
     return replace(res, iteration_s=iteration, tokens_per_s=res.tokens_per_s * res.iteration_s / iteration,

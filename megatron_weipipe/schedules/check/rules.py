@@ -22,26 +22,26 @@ def _refuse(message: str) -> NoReturn:
     raise ConfigError(message)
 
 
-def check_no_pipelining(cfg: "PretrainConfig", name: str = "none") -> None:
+def check_no_pipelining(cfg: "PretrainConfig", name: str) -> None:
     if cfg.parallel.pipeline_model_parallel_size != 1:
-        _refuse("--pipeline-schedule none needs --pipeline-model-parallel-size 1")
+        _refuse(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size 1")
 
 
-def check_1f1b(cfg: "PretrainConfig", name: str = "1f1b") -> None:
+def check_1f1b(cfg: "PretrainConfig", name: str) -> None:
     if cfg.parallel.num_layers_per_virtual_pipeline_stage is not None:
         _refuse(
-            "--pipeline-schedule 1f1b does not take --num-layers-per-virtual-pipeline-stage; "
+            f"--pipeline-schedule {name} does not take --num-layers-per-virtual-pipeline-stage; "
             "use --pipeline-schedule interleaved"
         )
 
 
-def check_interleaved(cfg: "PretrainConfig", name: str = "interleaved") -> None:
+def check_interleaved(cfg: "PretrainConfig", name: str) -> None:
     if cfg.parallel.num_layers_per_virtual_pipeline_stage is None:
-        _refuse("--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage")
+        _refuse(f"--pipeline-schedule {name} needs --num-layers-per-virtual-pipeline-stage")
     pp = cfg.parallel.pipeline_model_parallel_size
     if cfg.num_microbatches % pp != 0:
         _refuse(
-            f"--pipeline-schedule interleaved needs the number of microbatches per replica "
+            f"--pipeline-schedule {name} needs the number of microbatches per replica "
             f"({cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({pp})"
         )
 

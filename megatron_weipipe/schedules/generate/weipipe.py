@@ -33,4 +33,4 @@ def generate(schedule: str, P: int, G: int) -> Schedule:
             f"unknown WeiPipe schedule {schedule!r}; choose one of {', '.join(registry.weipipe_names())}"
         )
     _check(P, G)
-    return build_schedule(schedule, P, G, registry.load(found.plan)(P, G))
+    return build_schedule(schedule, P, G, registry.load(found.compute_plan)(P, G))

@@ -96,7 +96,7 @@ def expected_ticks(name: str, P: int, G: int) -> int:
 
 def expected_messages(name: str, P: int, G: int, rank: int) -> dict[Flow, int]:
     """Messages `rank` sends per flow in one iteration (derived from the token routes,
-    see docs/weipipe.md). All three WeiPipe schedules route identically; the naive one
+    see docs/how-it-works/weipipe.md). All three WeiPipe schedules route identically; the naive one
     keeps the flows turning for P(G-1) more ticks."""
     if name not in ("weipipe-naive", "weipipe-interleave", "weipipe-zb"):
         raise ScheduleError(f"no closed form for {name}")

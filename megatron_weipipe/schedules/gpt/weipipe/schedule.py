@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.config import TRAINING_WEIGHT_PASS, PretrainConfig
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.gpt.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
 
@@ -85,7 +85,7 @@ class WeiPipeSchedule(TrainSchedule):
             # what a recomputed chunk forward replays to draw the same dropout masks
             rng=self.ctx.platform.rng_streams(tracker=get_cuda_rng_tracker()),
             # The split backward of weipipe-zb: the linear layers' weight GEMMs run at W.
-            weight_pass="deferred",
+            weight_pass=TRAINING_WEIGHT_PASS,
             tracer=self.tracer,
             # --offload-layer-inputs: the chunk inputs kept for recomputation wait on the host
             offload=getattr(model.decoder, "layer_input_store", None),
