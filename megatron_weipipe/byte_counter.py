@@ -92,75 +92,64 @@ class ByteCounter:
         if self._installed:
             return
         self._installed = True
+        for name, sending in (("isend", True), ("send", True), ("irecv", False), ("recv", False)):
+            setattr(dist, name, self._wrap_p2p(getattr(dist, name), sending))
+        dist.batch_isend_irecv = self._wrap_batch_p2p(dist.batch_isend_irecv)
+        for name, arg_index in _COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap_collective(getattr(dist, name), arg_index))
+        self._wrap_megatron_buffer_calls()
+
+    def _wrap_p2p(self, fn, sending: bool):
         counter = self
 
-        def nbytes(t) -> int:
-            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        @functools.wraps(fn)
+        def inner(tensor, *args, **kwargs):
+            kind = counter._kind("p2p")
+            if kind != _UNCOUNTED:
+                (counter.add_sent if sending else counter.add_received)(kind, _nbytes(tensor))
+            return fn(tensor, *args, **kwargs)
 
-        def wrap_p2p(fn, sending: bool):
-            @functools.wraps(fn)
-            def inner(tensor, *args, **kwargs):
-                kind = counter._kind("p2p")
-                if kind != _UNCOUNTED:
-                    (counter.add_sent if sending else counter.add_received)(kind, nbytes(tensor))
-                return fn(tensor, *args, **kwargs)
+        return inner
 
-            return inner
-
-        for name, sending in (("isend", True), ("send", True), ("irecv", False), ("recv", False)):
-            setattr(dist, name, wrap_p2p(getattr(dist, name), sending))
-
-        original_batch = dist.batch_isend_irecv
+    def _wrap_batch_p2p(self, original_batch):
+        counter = self
 
         @functools.wraps(original_batch)
         def batch_isend_irecv(ops):
             kind = counter._kind("p2p")
             for op in ops if kind != _UNCOUNTED else ():
                 sending = getattr(op.op, "__name__", "") in ("isend", "send")
-                (counter.add_sent if sending else counter.add_received)(kind, nbytes(op.tensor))
+                (counter.add_sent if sending else counter.add_received)(kind, _nbytes(op.tensor))
             return original_batch(ops)
 
-        dist.batch_isend_irecv = batch_isend_irecv
+        return batch_isend_irecv
 
-        def wrap_collective(fn, arg_index=0):
-            try:
-                signature = inspect.signature(fn)
-            except (TypeError, ValueError):
-                signature = None
+    def _wrap_collective(self, fn, arg_index=0):
+        counter = self
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            signature = None
 
-            def alone(args, kwargs) -> bool:
-                """Whether the call's group has one rank (it sends nothing)."""
-                group = kwargs.get("group")
-                if group is None and signature is not None:
-                    try:
-                        group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-                    except TypeError:
-                        return False
-                return dist.is_initialized() and dist.get_world_size(group) == 1
-
-            @functools.wraps(fn)
-            def inner(*args, **kwargs):
-                kind = counter._kind("collectives")
-                kind = kind if kind != "activations" else "collectives"
-                if kind == _UNCOUNTED or alone(args, kwargs):  # the cheap test first
-                    return fn(*args, **kwargs)
-                t = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
-                size = sum(nbytes(x) for x in t) if isinstance(t, (list, tuple)) else nbytes(t)
-                counter.add_sent(kind, size)
-                counter.add_received(kind, size)
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            kind = counter._kind("collectives")
+            kind = kind if kind != "activations" else "collectives"
+            if kind == _UNCOUNTED or _group_of_one(signature, args, kwargs):  # the cheap test first
                 return fn(*args, **kwargs)
+            t = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
+            size = sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else _nbytes(t)
+            counter.add_sent(kind, size)
+            counter.add_received(kind, size)
+            return fn(*args, **kwargs)
 
-            inner._counted = True
-            return inner
+        inner._counted = True
+        return inner
 
-        for name in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-                     "all_to_all_single", "reduce", "all_gather", "reduce_scatter"):
-            if hasattr(dist, name):
-                arg = 1 if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-                                    "all_gather", "reduce_scatter") else 0
-                setattr(dist, name, wrap_collective(getattr(dist, name), arg))
-        # megatron-core binds its distributed optimizer's reduce-scatter and all-gather at
-        # import, past the wrappers above (counted here unless they are already wrapped)
+    def _wrap_megatron_buffer_calls(self) -> None:
+        """megatron-core binds its distributed optimizer's reduce-scatter and all-gather at
+        import, past the wrappers of torch.distributed (counted here unless already wrapped)."""
         try:
             from megatron.core.distributed import param_and_grad_buffer as pgb
         except ImportError:
@@ -168,7 +157,29 @@ class ByteCounter:
         for name in ("dist_reduce_scatter_func", "dist_all_gather_func"):
             fn = getattr(pgb, name, None)
             if fn is not None and not getattr(fn, "_counted", False):
-                setattr(pgb, name, wrap_collective(fn, 1))
+                setattr(pgb, name, self._wrap_collective(fn, 1))
+
+
+# torch.distributed's collectives, with the position of the tensor whose size is counted
+_COLLECTIVES = (
+    ("all_reduce", 0), ("broadcast", 0), ("all_gather_into_tensor", 1), ("reduce_scatter_tensor", 1),
+    ("all_to_all_single", 1), ("reduce", 0), ("all_gather", 1), ("reduce_scatter", 1),
+)
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _group_of_one(signature, args, kwargs) -> bool:
+    """Whether a collective call's group has one rank (it sends nothing)."""
+    group = kwargs.get("group")
+    if group is None and signature is not None:
+        try:
+            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+        except TypeError:
+            return False
+    return dist.is_initialized() and dist.get_world_size(group) == 1
 
 
 _PROCESS_COUNTER = ByteCounter()

@@ -37,8 +37,9 @@ def run_main(argv, model_provider, forward_step) -> int:
         return EXIT_CONFIG
 
     from megatron_weipipe.initialize import shutdown_distributed
-    from megatron_weipipe.training.checkpointing import CheckpointError
-    from megatron_weipipe.training.pretrain import NaNError, pretrain
+    from megatron_weipipe.training.checkpoint.directory import CheckpointError
+    from megatron_weipipe.training.pretrain import pretrain
+    from megatron_weipipe.training.step import NaNError
 
     expected = (CheckpointError, NaNError, ValueError, FileNotFoundError, KeyboardInterrupt)
     try:

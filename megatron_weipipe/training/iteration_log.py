@@ -1,0 +1,65 @@
+"""The per-interval training log line, its ``on_log`` hook and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_weipipe.training.console import print_rank_0
+from megatron_weipipe.training.loop_state import TrainingRun, TrainState
+from megatron_weipipe.training.metrics import training_log_line
+from megatron_weipipe.training.step import StepOutcome
+
+
+@dataclass
+class LogWindow:
+    """What the next log line reads: the iterations since the last line, when they started
+    (checkpoint saves left out), and the gradient norm of the last step taken."""
+
+    start: float = field(default_factory=time.time)
+    iterations: int = 0
+    last_grad_norm: Optional[float] = None
+
+    def add(self, outcome: StepOutcome) -> None:
+        self.iterations += 1
+        if outcome.stepped:
+            self.last_grad_norm = outcome.grad_norm
+
+    def restart_clock(self) -> None:
+        """Keep what just ran (a checkpoint save) out of the throughput."""
+        self.start = time.time()
+
+    def restart(self) -> None:
+        self.start, self.iterations = time.time(), 0
+
+
+def log_iteration(run: TrainingRun, state: TrainState, outcome: StepOutcome, window: LogWindow) -> None:
+    """Print the log line of this iteration (rank 0) after handing its fields to ``on_log`` (every rank)."""
+    cfg, t, optimizer = run.cfg, run.cfg.training, run.optimizer
+    per_iter = (time.time() - window.start) / window.iterations
+    mem, _ = run.ctx.platform.peak_memory_gb()
+    lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else t.lr
+    stats = dict(
+        iteration=state.iteration,
+        train_iters=t.train_iters,
+        consumed_samples=state.consumed_train_samples,
+        elapsed_ms=per_iter * 1000,
+        tflops_per_device=run.flops_per_iteration / per_iter / 1e12 / cfg.world_size,
+        tokens_per_second=t.global_batch_size * cfg.model.seq_length / per_iter,
+        lr=lr,
+        global_batch_size=t.global_batch_size,
+        losses={"lm loss": outcome.loss},
+        loss_scale=float(optimizer.get_loss_scale().item()),
+        grad_norm=outcome.grad_norm if outcome.stepped else None,  # none for a skipped step
+        skipped=state.skipped_iterations,
+        nan_iterations=state.nan_iterations,
+        mem_gb=mem,
+        bytes_sent=run.ctx.bytes.snapshot()["sent"],
+    )
+    if run.hooks.on_log is not None:
+        run.hooks.on_log(stats)
+    print_rank_0(training_log_line(**stats))
+    scalars = {"lm-loss": outcome.loss, "learning-rate": lr, "grad-norm": window.last_grad_norm or 0.0}
+    run.tensorboard.scalars(state.iteration, scalars)
+    window.restart()

@@ -1,0 +1,108 @@
+"""The training loop: step, count, log, validate, save, and decide when to stop."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from megatron_weipipe import faults
+from megatron_weipipe.training.checkpoint.checkpointing import save_checkpoint
+from megatron_weipipe.training.console import print_rank_0
+from megatron_weipipe.training.evaluation import run_validation
+from megatron_weipipe.training.iteration_log import LogWindow, log_iteration
+from megatron_weipipe.training.loop_state import TrainingRun, TrainState
+from megatron_weipipe.training.step import StepOutcome, train_step
+
+
+def train(run: TrainingRun, state: TrainState) -> None:
+    """Iterate until ``--train-iters`` or an exit request; then the closing validation and save."""
+    t = run.cfg.training
+    window = LogWindow()
+    while state.iteration < t.train_iters and not t.skip_train:
+        outcome = train_step(run, state.iteration + 1)
+        count_iteration(state, outcome, t.global_batch_size)
+        window.add(outcome)
+        if state.iteration % run.cfg.logging.log_interval == 0:
+            log_iteration(run, state, outcome, window)
+        if run.valid_iter is not None and state.iteration % t.eval_interval == 0:
+            faults.set_phase("validation", state.iteration)
+            run_validation(run, state)
+        reason = exit_reason(run, state.iteration, outcome)
+        if save_due(run, state.iteration, reason):
+            save(run, state)
+            window.restart_clock()
+        if reason:
+            announce_exit(run, state, reason)
+            break
+    finish(run, state)
+
+
+def count_iteration(state: TrainState, outcome: StepOutcome, global_batch_size: int) -> None:
+    if not outcome.stepped:
+        state.skipped_iterations += 1
+        if outcome.nan:
+            state.nan_iterations += 1
+    state.iteration += 1
+    state.consumed_train_samples += global_batch_size
+    state.losses.append(outcome.loss)
+    state.grad_norms.append(outcome.grad_norm if outcome.grad_norm is not None else float("nan"))
+
+
+def exit_reason(run: TrainingRun, iteration: int, outcome: StepOutcome) -> Optional[str]:
+    """Why the run stops after this iteration ("signal", "duration", "interval"), or None."""
+    if outcome.signal_received:
+        return "signal"
+    if outcome.duration_passed:
+        return "duration"
+    interval = run.cfg.training.exit_interval
+    if interval and iteration % interval == 0:
+        return "interval"
+    return None
+
+
+def save_due(run: TrainingRun, iteration: int, reason: Optional[str]) -> bool:
+    """A checkpoint now: at every ``--save-interval`` and before any exit, if there is ``--save``."""
+    c = run.cfg.checkpoint
+    return bool(c.save and (reason or (c.save_interval and iteration % c.save_interval == 0)))
+
+
+def announce_exit(run: TrainingRun, state: TrainState, reason: str) -> None:
+    t, save_dir = run.cfg.training, run.cfg.checkpoint.save
+    state.exit_reason = reason
+    what = {"signal": "SIGTERM received", "duration": f"--exit-duration-in-mins {t.exit_duration_in_mins}",
+            "interval": f"--exit-interval {t.exit_interval}"}[reason]
+    where = f"checkpoint in {save_dir}" if save_dir else "no --save, nothing saved"
+    print_rank_0(f"> exiting at iteration {state.iteration} ({reason}: {what}; {where})")
+
+
+def finish(run: TrainingRun, state: TrainState) -> None:
+    """``--skip-train`` still evaluates (as Megatron-LM does); the last iteration is always saved."""
+    if run.cfg.training.skip_train and run.valid_iter is not None:
+        faults.set_phase("validation", state.iteration)
+        run_validation(run, state)
+    if run.cfg.checkpoint.save and state.iteration > 0 and state.last_saved_iteration != state.iteration:
+        save(run, state)
+    faults.set_phase("shutdown", state.iteration)
+
+
+def save(run: TrainingRun, state: TrainState) -> None:
+    """Save the model, optimizer, scheduler and the loop's counters; print where they went."""
+    faults.set_phase("checkpoint save", state.iteration)
+    t0 = time.time()
+    path, written = save_checkpoint(
+        run.cfg,
+        run.ctx,
+        state.iteration,
+        run.model_chunks,
+        run.optimizer,
+        run.scheduler,
+        consumed_train_samples=state.consumed_train_samples,
+        consumed_valid_samples=state.consumed_valid_samples,
+        num_skipped_iterations=state.skipped_iterations,
+    )
+    state.last_saved_iteration = state.iteration
+    if not written:
+        print_rank_0(f"  checkpoint at iteration {state.iteration:7d} is already published in {path}; not rewritten")
+        return
+    print_rank_0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {path} "
+                 f"[ t {time.time() - t0:.2f}s ]")

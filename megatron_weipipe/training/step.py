@@ -1,0 +1,142 @@
+"""One training iteration: forward/backward through the schedule, the reduced iteration
+flags, the NaN/Inf policy, the optimizer and learning-rate step.
+
+The loop (loop.py) counts, logs, validates, saves and decides to stop; the step only
+reports what happened (``StepOutcome``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_weipipe import faults
+from megatron_weipipe.training.console import print_rank_0
+from megatron_weipipe.training.loop_state import TrainingRun
+from megatron_weipipe.training.loss_reduction import (
+    ReducedLosses,
+    first_bad_microbatch,
+    loss_values,
+    reduce_losses,
+    reports_loss,
+)
+
+
+class NaNError(RuntimeError):
+    """Loss or gradient norm is NaN/Inf and the run was told not to skip such steps."""
+
+
+@dataclass
+class StepOutcome:
+    """What one iteration did, the same on every rank (all from reduced values)."""
+
+    loss: float  # the mean lm loss over the global batch; NaN if no finite one
+    grad_norm: Optional[float]  # None: no norm was computed (a NaN loss vetoed the step, or fp16 overflow)
+    stepped: bool  # the optimizer updated the weights
+    nan: bool  # a NaN/Inf loss or gradient norm was seen
+    signal_received: bool  # some rank got SIGTERM
+    duration_passed: bool  # --exit-duration-in-mins has passed (rank 0's clock)
+
+
+def next_microbatches(iterator, n: int) -> list[dict]:
+    return [next(iterator) for _ in range(n)]
+
+
+def train_step(run: TrainingRun, iteration: int) -> StepOutcome:
+    """Run iteration ``iteration`` (1-based): the schedule's forward/backward, one
+    all-reduce of losses and exit flags, then the optimizer step unless NaN/Inf vetoes it."""
+    ctx, schedule, optimizer = run.ctx, run.schedule, run.optimizer
+    faults.set_phase("reading data", iteration)
+    microbatches = next_microbatches(run.train_iter, run.microbatches_per_iteration)
+    faults.set_phase(faults.TRAIN_STEP, iteration)
+    ctx.bytes.reset()
+    schedule.zero_grad()
+    optimizer.zero_grad()
+    result = schedule.forward_backward(run.hooks.forward_step, microbatches)
+    values = loss_values(result)
+    if run.hooks.after_backward is not None:
+        run.hooks.after_backward(iteration, schedule)
+    reduced = reduce_losses(ctx, values, reports_loss(result, ctx.groups), _exit_flags(run), checks=result.has_loss)
+    faults.set_phase("optimizer step", iteration)
+    if reduced.bad:
+        _on_nan_loss(run, iteration, values, result.has_loss)
+    stepped, grad_norm = False, None
+    if not reduced.bad or not run.cfg.training.check_for_nan_in_loss_and_grad:
+        stepped, grad_norm = _step_optimizer(run, iteration)
+    if stepped:
+        run.scheduler.step(increment=run.cfg.training.global_batch_size)
+    return _outcome(reduced, stepped, grad_norm)
+
+
+def _exit_flags(run: TrainingRun) -> list[float]:
+    """[SIGTERM seen here, rank 0's clock past --exit-duration-in-mins], summed over ranks."""
+    limit = run.cfg.training.exit_duration_in_mins
+    timed_out = limit is not None and (time.time() - run.start_time) / 60.0 > limit
+    return [float(run.exit_signal.received), float(timed_out and dist.get_rank() == 0)]
+
+
+def _on_nan_loss(run: TrainingRun, iteration: int, values, has_loss: bool) -> None:
+    """Name the first bad microbatch (every rank takes part), then warn or raise as configured."""
+    rank, mb = first_bad_microbatch(run.ctx, values, has_loss)
+    msg = f"NaN/Inf lm loss at iteration {iteration} on rank {rank}, microbatch {mb} of that rank"
+    t = run.cfg.training
+    if not t.check_for_nan_in_loss_and_grad:
+        return
+    if not t.skip_nan_steps:
+        raise nan_error(msg)
+    print_rank_0(f"WARNING: {msg}: step skipped")
+
+
+def _step_optimizer(run: TrainingRun, iteration: int) -> tuple[bool, Optional[float]]:
+    """The optimizer step; a NaN/Inf gradient norm vetoes it, then warns or raises as configured."""
+    t = run.cfg.training
+    with run.schedule.trace_span("optimizer"):
+        stepped, grad_norm = optimizer_step(run.optimizer, t.clip_grad)
+    if grad_norm is not None and not math.isfinite(grad_norm) and t.check_for_nan_in_loss_and_grad:
+        msg = f"NaN/Inf gradient norm at iteration {iteration}"
+        if not t.skip_nan_steps:
+            raise nan_error(msg)
+        print_rank_0(f"WARNING: {msg}: step skipped")
+    return stepped, grad_norm
+
+
+def _outcome(reduced: ReducedLosses, stepped: bool, grad_norm: Optional[float]) -> StepOutcome:
+    signal_received, duration_passed = reduced.flags
+    mean = reduced.mean
+    return StepOutcome(
+        loss=mean if mean is not None else float("nan"),
+        grad_norm=grad_norm,
+        stepped=stepped,
+        nan=bool(reduced.bad) or (grad_norm is not None and not math.isfinite(grad_norm)),
+        signal_received=bool(signal_received),
+        duration_passed=bool(duration_passed),
+    )
+
+
+def optimizer_step(optimizer, clip_grad: float) -> tuple[bool, Optional[float]]:
+    """megatron-core's ChainedOptimizer.step, split so a NaN/Inf norm can veto the update."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()
+    if found_inf:  # fp16 loss-scale overflow: megatron-core's own skip
+        return False, None
+    grad_norm = optimizer.get_grad_norm()
+    if grad_norm is None or not math.isfinite(grad_norm):
+        return False, float("nan")
+    if clip_grad > 0:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            params = opt.get_parameters()
+            if params and not getattr(opt, "is_stub_optimizer", False):
+                clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
+    return optimizer.step_with_ready_grads(), grad_norm
+
+
+def nan_error(msg: str) -> NaNError:
+    """Every rank raises the same NaNError; rank 0 prints it."""
+    e = NaNError(msg)
+    e.quiet = dist.get_rank() != 0
+    return e
