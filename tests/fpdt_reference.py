@@ -1,4 +1,4 @@
-"""Single-process, unsharded, unchunked references for tests.
+"""Single-process, unsharded, unchunked references for tests, and the inputs the attention tests share.
 
 The attention reference shares no code with the FPDT path: it splits the fused QKV the
 way megatron.core's SelfAttention does, applies megatron.core's own rotary functions, and
@@ -63,3 +63,33 @@ def reference_attention(x, w_qkv, b_qkv, w_proj, b_proj, spec: AttentionSpec, at
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=spec.scale, enable_gqa=True)
     o = o.permute(2, 0, 1, 3).reshape(S, b, -1)
     return F.linear(o, w_proj, b_proj)
+
+
+# Inputs shared by the attention tests (test_fpdt_attention.py, test_fpdt_packed.py).
+HIDDEN = 32
+HEAD_DIM = 8
+
+
+def make_case(S, b, spec: AttentionSpec, bias: bool, seed: int):
+    """Full-sequence inputs in float64; a per-position ramp makes every chunk's data distinct."""
+    gen = torch.Generator().manual_seed(seed)
+    d64 = torch.float64
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=d64) * scale
+
+    pos = torch.arange(S, dtype=d64)
+    x = rnd(S, b, HIDDEN) + (pos / S)[:, None, None] + 0.3 * torch.sin(pos)[:, None, None]
+    return dict(
+        x=x,
+        wq=rnd(spec.qkv_size, HIDDEN, scale=HIDDEN**-0.5),
+        bq=rnd(spec.qkv_size, scale=0.1) if bias else None,
+        wp=rnd(HIDDEN, spec.proj_input_size, scale=spec.proj_input_size**-0.5),
+        bp=rnd(HIDDEN, scale=0.1) if bias else None,
+        dy=rnd(S, b, HIDDEN) * (1 + pos / S)[:, None, None],
+    )
+
+
+def scaled_error(a, ref) -> float:
+    """Max absolute error of ``a`` scaled by the largest reference value (at least 1)."""
+    return ((a.double() - ref).abs().max() / max(1.0, ref.abs().max().item())).item()

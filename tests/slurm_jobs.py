@@ -16,14 +16,14 @@ from typing import Optional
 
 import psutil
 
-from test_faults_util import ROOT, free_port, losses
+from harness.faults import ROOT, free_port, losses
 
 CPU_SUBMIT = os.path.join(ROOT, "examples", "slurm_cpu.sh")
 TRAIN_ITERS = 24
 
 
 def skip_reason() -> Optional[str]:
-    from local_slurm import missing_binaries
+    from harness.local_slurm import missing_binaries
 
     if os.geteuid() != 0:
         return "the local SLURM cluster runs its daemons as root"

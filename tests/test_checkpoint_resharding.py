@@ -4,7 +4,7 @@ A run saved at iteration 2 and resumed to iteration 4 must give the losses and f
 parameters of an uninterrupted single-process run (float32, dropout 0, layout-invariant
 initialisation; RTOL covers the reduction order of other layouts) whatever the layout,
 schedule and optimizer kind on either side, when the saved format allows it (see
-docs/checkpoints.md); otherwise the load fails with one line naming what changed.
+docs/reference/checkpoints.md); otherwise the load fails with one line naming what changed.
 One spawned run per world size; later worlds load what earlier ones saved.
 """
 
@@ -20,7 +20,7 @@ import pytest
 from harness import run_distributed
 from harness.state import max_relative_difference
 
-from test_weipipe_gpt_common import RTOL, argv, merge, train
+from harness.weipipe_gpt import RTOL, argv, merge, train
 
 DIST = dict(use_distributed_optimizer=True)
 FULL = dict(use_distributed_optimizer=True, dist_ckpt_optim_fully_reshardable=True)
@@ -80,7 +80,7 @@ def _argv(flags: dict, load: str | None, save: str | None) -> list[str]:
 def _run_all(rank: int, world_size: int, argvs: list[list[str]]) -> list[dict]:
     from megatron.core import parallel_state
 
-    from megatron_weipipe.training.checkpointing import CheckpointError
+    from megatron_weipipe.training.checkpoint.directory import CheckpointError
 
     out = []
     for a in argvs:

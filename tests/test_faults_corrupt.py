@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from megatron_weipipe.training import safe_load
-from test_faults_util import DATA, PRETRAIN, ROOT, tiny_args
+from megatron_weipipe.training.checkpoint import safe_load
+from harness.faults import DATA, PRETRAIN, ROOT, tiny_args
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_faults_util import ROOT, Job, tiny_args
+from harness.faults import ROOT, Job, tiny_args
 
 # The watchdog polls every 0.2 s here (1 s by default); on one host a dead neighbour is
 # found by its pid at once, so the bound does not depend on the heartbeat timeout.

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from test_faults_util import Job, tiny_args
+from harness.faults import Job, tiny_args
 
 ARGS = dict(pipeline_model_parallel_size=2, global_batch_size=8)
 ENV = {"MEGATRON_WEIPIPE_INJECT_NAN": "3:1:1", "MEGATRON_WEIPIPE_WATCHDOG_INTERVAL": "0.2"}

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from test_faults_util import PRETRAIN, ROOT, Job, losses, tiny_args, tracker
+from harness.faults import PRETRAIN, ROOT, Job, losses, tiny_args, tracker
 
 COMMON = dict(lr_decay_style="constant", hidden_dropout=0.1, attention_dropout=0.1)
 FAST_WATCHDOG = {"MEGATRON_WEIPIPE_WATCHDOG_INTERVAL": "0.2"}

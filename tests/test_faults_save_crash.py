@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from test_faults_util import Job, tiny_args, tracker
+from harness.faults import Job, tiny_args, tracker
 
 
 @pytest.mark.timeout(240)

@@ -25,32 +25,10 @@ from megatron_weipipe.fpdt import (
     shard,
     ulysses_attention,
 )
-from fpdt_reference import reference_attention
+from fpdt_reference import HEAD_DIM, HIDDEN, make_case, reference_attention, scaled_error
 from harness import run_distributed
 
-HIDDEN = 32
-HEAD_DIM = 8
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-
-
-def make_case(S, b, spec: AttentionSpec, bias: bool, seed: int):
-    """Full-sequence inputs in float64; a per-position ramp makes every chunk's data distinct."""
-    gen = torch.Generator().manual_seed(seed)
-    d64 = torch.float64
-
-    def rnd(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen, dtype=d64) * scale
-
-    pos = torch.arange(S, dtype=d64)
-    x = rnd(S, b, HIDDEN) + (pos / S)[:, None, None] + 0.3 * torch.sin(pos)[:, None, None]
-    return dict(
-        x=x,
-        wq=rnd(spec.qkv_size, HIDDEN, scale=HIDDEN**-0.5),
-        bq=rnd(spec.qkv_size, scale=0.1) if bias else None,
-        wp=rnd(HIDDEN, spec.proj_input_size, scale=spec.proj_input_size**-0.5),
-        bp=rnd(HIDDEN, scale=0.1) if bias else None,
-        dy=rnd(S, b, HIDDEN) * (1 + pos / S)[:, None, None],
-    )
 
 
 def reference_grads(case, spec):
@@ -59,10 +37,6 @@ def reference_grads(case, spec):
     out.backward(case["dy"])
     grads = {k: v.grad for k, v in leaves.items() if v is not None}
     return out.detach(), grads
-
-
-def _err(a, ref):
-    return ((a.double() - ref).abs().max() / max(1.0, ref.abs().max().item())).item()
 
 
 def run_case(cfg: dict, cp_group, tp_group=None) -> dict:
@@ -101,8 +75,8 @@ def run_case(cfg: dict, cp_group, tp_group=None) -> dict:
         )
     out.backward(dy)
     res = {
-        "out": _err(out.detach(), shard(ref_out, P, r, u, dim=0)),
-        "dx": _err(x.grad, shard(ref_g["x"], P, r, u, dim=0)),
+        "out": scaled_error(out.detach(), shard(ref_out, P, r, u, dim=0)),
+        "dx": scaled_error(x.grad, shard(ref_g["x"], P, r, u, dim=0)),
     }
     ref_slices = {"wq": ref_g["wq"][qrows], "wp": ref_g["wp"][:, pcols]}
     if case["bq"] is not None:
@@ -112,7 +86,7 @@ def run_case(cfg: dict, cp_group, tp_group=None) -> dict:
         g = params[k].grad.double().clone()
         if cp_group is not None:
             dist.all_reduce(g, group=cp_group)  # weight grads are per-rank shares (DP x CP reduce)
-        res[k] = _err(g, ref)
+        res[k] = scaled_error(g, ref)
     res["max_resident"] = max(stats.max_resident.values(), default=0)
     res["a2a_bytes"] = comm.bytes_sent
     return res
@@ -245,7 +219,7 @@ def test_rotary_options_match_megatron():
         x = case["x"].clone().requires_grad_(True)
         out = fpdt_attention(x, case["wq"], case["bq"], case["wp"], case["bp"], spec, FPDTConfig(chunk_size=4))
         out.backward(case["dy"])
-        assert _err(out.detach(), ref_out) <= 1e-10 and _err(x.grad, ref_g["x"]) <= 1e-10
+        assert scaled_error(out.detach(), ref_out) <= 1e-10 and scaled_error(x.grad, ref_g["x"]) <= 1e-10
 
 
 def test_no_rotary_and_custom_scale():
@@ -253,7 +227,7 @@ def test_no_rotary_and_custom_scale():
     case = make_case(16, 2, spec, False, 11)
     ref_out, _ = reference_grads(case, spec)
     out = fpdt_attention(case["x"], case["wq"], None, case["wp"], None, spec, FPDTConfig(chunk_size=4, offload=True))
-    assert _err(out, ref_out) <= 1e-10
+    assert scaled_error(out, ref_out) <= 1e-10
 
 
 def test_softmax_scale_is_head_dim():

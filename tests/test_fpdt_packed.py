@@ -17,9 +17,8 @@ import torch.distributed as dist
 from megatron_weipipe.fpdt import AttentionSpec, FPDTConfig, OffloadStats, RotaryConfig, fpdt_attention, shard, ulysses_attention
 from megatron_weipipe.fpdt import packed
 from megatron_weipipe.fpdt.documents import Documents, as_documents, document_offsets
-from fpdt_reference import reference_attention
+from fpdt_reference import HEAD_DIM, HIDDEN, make_case, reference_attention, scaled_error
 from harness import run_distributed
-from test_fpdt_attention import HEAD_DIM, HIDDEN, _err, make_case
 
 S = 32
 EOD = 7
@@ -74,12 +73,12 @@ def run_case(cfg: dict, group) -> dict:
         fc = FPDTConfig(chunk_size=S // u, offload=cfg.get("offload", False))
         out = fpdt_attention(x, *w, fc, group, stats=stats, documents=docs)
     out.backward(shard(case["dy"], P, r, u, dim=0).to(dtype))
-    errs = {"out": _err(out.detach(), shard(ref.detach(), P, r, u, dim=0)),
-            "dx": _err(x.grad, shard(leaves["x"].grad, P, r, u, dim=0))}
+    errs = {"out": scaled_error(out.detach(), shard(ref.detach(), P, r, u, dim=0)),
+            "dx": scaled_error(x.grad, shard(leaves["x"].grad, P, r, u, dim=0))}
     for k, p in params.items():
         g = p.grad.double().clone()
         dist.all_reduce(g, group=group)  # per-rank shares of the weight gradients
-        errs[k] = _err(g, leaves[k].grad)
+        errs[k] = scaled_error(g, leaves[k].grad)
     return {"errs": errs, "counts": dict(docs.counts), "fetches": stats.fetches}
 
 

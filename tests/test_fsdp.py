@@ -38,7 +38,7 @@ LLAMA = dict(
 FSDP = dict(use_torch_fsdp2=True)
 BF16_RECOMPUTE = dict(bf16=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 BF16_FPDT = dict(bf16=True, context_parallel_size=2, fpdt=True, fpdt_chunk_size=16)
-# --bf16 parity (docs/fsdp.md). Against a run of the same bf16 arithmetic (the single
+# --bf16 parity (docs/results/fsdp.md). Against a run of the same bf16 arithmetic (the single
 # process for DP=2, the non-FSDP FPDT run for FSDP FPDT) only fp32 summation order differs:
 # measured <= 3e-6. A gradient reduced in bf16 misses it by 15x (1.5e-4 grad norm,
 # 2.7e-4 parameters); a missing bf16 cast (fp32 compute) by 70x (see the test below).
@@ -58,7 +58,7 @@ def _train(rank, world_size, argv):
     from megatron.core import parallel_state
 
     from megatron_weipipe.model.gpt_step import forward_step
-    from megatron_weipipe.training.checkpointing import CheckpointError
+    from megatron_weipipe.training.checkpoint.directory import CheckpointError
     from megatron_weipipe.training.pretrain import pretrain
 
     cfg = parse_config(argv, world_size=world_size)

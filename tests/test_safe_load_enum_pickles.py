@@ -9,7 +9,7 @@ from collections import OrderedDict
 import pytest
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from megatron_weipipe.training.safe_load import UnsafeCheckpointError, read_metadata
+from megatron_weipipe.training.checkpoint.safe_load import UnsafeCheckpointError, read_metadata
 
 
 class _ByName:

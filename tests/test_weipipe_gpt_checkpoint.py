@@ -17,7 +17,7 @@ import pytest
 from harness import run_distributed
 from harness.state import max_relative_difference
 
-from test_weipipe_gpt_common import RTOL, argv, merge, train_many
+from harness.weipipe_gpt import RTOL, argv, merge, train_many
 
 
 def _args(schedule, **extra):

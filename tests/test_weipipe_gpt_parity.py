@@ -24,7 +24,7 @@ from harness import run_distributed
 from harness.state import max_relative_difference
 from megatron_weipipe.training.metrics import format_bytes
 
-from test_weipipe_gpt_common import RTOL, WEIPIPE, argv, assert_matches, merge, train_many
+from harness.weipipe_gpt import RTOL, WEIPIPE, argv, assert_matches, merge, train_many
 
 MICRO = 2
 
@@ -206,7 +206,7 @@ def _expected_sent(name: str, P: int, G: int, rank: int, numel: int, weight_byte
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_bytes_per_rank_equal_the_closed_form(P):
     """Weight and gradient bytes each rank sends, every iteration, are the closed form of
-    docs/weipipe.md (float32 chunks); the runtime's point-to-point traffic is counted once."""
+    docs/how-it-works/weipipe.md (float32 chunks); the runtime's point-to-point traffic is counted once."""
     for name in WEIPIPE:
         for G in (1, 2, 3):
             run = _world(P)[(name, P, G)]
@@ -277,9 +277,9 @@ def test_schedule_trace_has_every_action_of_the_plan():
     for name, d in TRACES.items():
         m = measure(load(d))
         assert 0 < m.measured_bubble < 1 and all(r.busy_s > 0 and r.idle_s > 0 for r in m.ranks), name
-        proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), os.pardir, "tools",
-                                                            "schedule_timeline.py"), "--from-trace", d, "--json"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "tools.schedule_timeline", "--from-trace", d, "--json"],
+                              capture_output=True, text=True, timeout=120,
+                              cwd=os.path.join(os.path.dirname(__file__), os.pardir))
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         assert out["measured_bubble"] == pytest.approx(m.measured_bubble)

@@ -21,7 +21,7 @@ from harness.state import max_relative_difference
 from megatron_weipipe.schedules.generate.weipipe import generate
 from megatron_weipipe.schedules.ir.actions import Kind
 
-from test_weipipe_gpt_common import RTOL, WEIPIPE, argv, assert_matches, merge, train
+from harness.weipipe_gpt import RTOL, WEIPIPE, argv, assert_matches, merge, train
 
 P, G, DP, MICRO, LAYERS = 2, 2, 2, 2, 4
 
@@ -133,7 +133,7 @@ def _runs() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _reference() -> dict:
-    from test_weipipe_gpt_common import train_many
+    from harness.weipipe_gpt import train_many
 
     per_rank = run_distributed(train_many, 1, [argv(num_layers=LAYERS, global_batch_size=MICRO * G * P * DP)],
                                timeout=300)

@@ -96,7 +96,7 @@ def test_variant_start_up_rules_and_training_class(variant):
 
 def _train_with_variant(rank: int, world_size: int, argvs: list[list[str]]) -> list[dict]:
     """A spawned rank: register the variant the same way (one entry), then pretrain()."""
-    from test_weipipe_gpt_common import train_many
+    from harness.weipipe_gpt import train_many
 
     registry.SCHEDULES[NAME] = registry.weipipe(NAME, f"{__name__}:plan")
     return train_many(rank, world_size, argvs)
@@ -108,7 +108,7 @@ def test_variant_trains_gpt_like_the_reference():
     the single-process run: losses, reduced gradients, parameters after 3 Adam steps."""
     from harness import run_distributed
 
-    from test_weipipe_gpt_common import argv, assert_matches, merge, train_many
+    from harness.weipipe_gpt import argv, assert_matches, merge, train_many
 
     flags = dict(num_layers=4, global_batch_size=8)
     reference = merge(run_distributed(train_many, 1, [argv(**flags)], timeout=300), 0)

@@ -207,22 +207,40 @@ def test_two_data_parallel_rings_match_reference():
         assert _rel(grad, flats[ring_rank].grad) < 1e-5
 
 
-def _options_worker(rank, world_size):
-    """(a) The backward really reads the backward-weight buffer: perturbing only what is
-    loaded into bwd_weights leaves the losses exact and breaks the gradients, with and
-    without recomputation. (b) bf16 compute / bf16 gradient messages run, stay close to
-    the reference, and the byte counter sees 2-byte elements."""
+class _Ring:
+    """What every option check of one rank shares: the ring, the reference, the inputs."""
+
+    def __init__(self, rank: int, world_size: int, G: int):
+        self.rank, self.P, self.G = rank, world_size, G
+        self.group = dist.new_group(list(range(world_size)))
+        self.ref_losses, (self.ref_chunk_grads, _), _ = reference(world_size, G)
+        self.template = make_chunk(0)
+        self.layout = FlatViews.from_module(self.template)
+        self.emb, self.head = make_replicated()
+        self.mbs = [microbatch(0, rank * G + m) for m in range(G)]
+
+    def run(self, name: str, post_fn=None, **options):
+        """One iteration of schedule ``name`` from fresh chunk weights and zero replicated grads."""
+        for p in list(self.emb.parameters()) + list(self.head.parameters()):
+            p.grad = None
+        master = self.layout.flatten(make_chunk(1000 + self.rank))
+        rt = WeiPipeRuntime(generate(name, self.P, self.G), ring_group=self.group, chunk_template=self.template,
+                            **options)
+        return rt.run_iteration(master, self.mbs, pre_fn=lambda mb: self.emb(mb[0]),
+                                post_fn=post_fn or (lambda h, mb: self.head(h, mb[1])))
+
+    def loss_error(self, res) -> float:
+        return _rel(torch.stack(res.losses), self.ref_losses[0][self.rank * self.G:(self.rank + 1) * self.G])
+
+    def grad_error(self, res) -> float:
+        return _rel(res.main_grad, self.ref_chunk_grads[self.rank])
+
+
+def _skewed_backward_weights(ring: _Ring) -> dict:
+    """Perturb only what is loaded into bwd_weights, with and without recomputation:
+    (loss error, gradient error) of each."""
     from megatron_weipipe.schedules.ir.actions import Flow
     from megatron_weipipe.schedules.runtime import ring as rt_mod
-
-    P, G = world_size, 2
-    ring = dist.new_group(list(range(P)))
-    ref_losses, (ref_chunk_grads, _), _ = reference(P, G)
-    template = make_chunk(0)
-    layout = FlatViews.from_module(template)
-    emb, head = make_replicated()
-    mbs = [microbatch(0, rank * G + m) for m in range(G)]
-    out = {}
 
     original_load = rt_mod._IterationState._load
 
@@ -232,64 +250,89 @@ def _options_worker(rank, world_size):
             self.buffers[a.buffer][1].mul_(1.5)
 
     rt_mod._IterationState._load = skewed_load
+    out = {}
     try:
         for recompute in (False, True):
-            master = layout.flatten(make_chunk(1000 + rank))
-            rt = WeiPipeRuntime(generate("weipipe-interleave", P, G), ring_group=ring,
-                                chunk_template=template, recompute=recompute)
-            res = rt.run_iteration(master, mbs, pre_fn=lambda mb: emb(mb[0]), post_fn=lambda h, mb: head(h, mb[1]))
-            out[f"skewed_recompute={recompute}"] = (
-                _rel(torch.stack(res.losses), ref_losses[0][rank * G:(rank + 1) * G]),
-                _rel(res.main_grad, ref_chunk_grads[rank]),
-            )
+            res = ring.run("weipipe-interleave", recompute=recompute)
+            out[recompute] = (ring.loss_error(res), ring.grad_error(res))
     finally:
         rt_mod._IterationState._load = original_load
-    for p in list(emb.parameters()) + list(head.parameters()):
-        p.grad = None
-
-    # (c) tags off (NCCL ignores them): receives posted in the sender's order keep the
-    # flows apart even on a ring of 2 where, in list order, they would cross; any lookahead
-    # and every posting order (parity is the default; grouped batches; recv-first is gloo-only)
-    for name, lookahead, order in (("weipipe-naive", 0, "recv-first"), ("weipipe-interleave", 3, "recv-first"),
-                                   ("weipipe-zb", 1, "grouped"), ("weipipe-interleave", 1, "parity")):
-        for p in list(emb.parameters()) + list(head.parameters()):
-            p.grad = None
-        master = layout.flatten(make_chunk(1000 + rank))
-        rt = WeiPipeRuntime(generate(name, P, G), ring_group=ring, chunk_template=template,
-                            use_tags=False, lookahead=lookahead, order=order)
-        res = rt.run_iteration(master, mbs, pre_fn=lambda mb: emb(mb[0]), post_fn=lambda h, mb: head(h, mb[1]))
-        out[f"untagged {name} {order}"] = _rel(res.main_grad, ref_chunk_grads[rank])
-    try:
-        WeiPipeRuntime(generate("weipipe-zb", P + 1, G), ring_group=ring, chunk_template=template)
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-        out["wrong ring"] = str(e)
-
-    master = layout.flatten(make_chunk(1000 + rank))
-    rt = WeiPipeRuntime(generate("weipipe-zb", P, G), ring_group=ring, chunk_template=template,
-                        compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
-    res = rt.run_iteration(master, mbs, pre_fn=lambda mb: emb(mb[0]),
-                           post_fn=lambda h, mb: head(h.float(), mb[1]))
-    out["bf16"] = (
-        _rel(torch.stack(res.losses), ref_losses[0][rank * G:(rank + 1) * G]),
-        _rel(res.main_grad, ref_chunk_grads[rank]),
-        res.main_grad.dtype,
-        res.bytes.as_dict()["sent"],
-    )
     return out
 
 
+def _untagged(ring: _Ring) -> dict:
+    """Tags off (NCCL ignores them): the gradient error of each lookahead and posting order
+    (parity is the default; grouped batches; recv-first is gloo-only)."""
+    out = {}
+    for name, lookahead, order in (("weipipe-naive", 0, "recv-first"), ("weipipe-interleave", 3, "recv-first"),
+                                   ("weipipe-zb", 1, "grouped"), ("weipipe-interleave", 1, "parity")):
+        res = ring.run(name, use_tags=False, lookahead=lookahead, order=order)
+        out[f"{name} {order}"] = ring.grad_error(res)
+    return out
+
+
+def _wrong_ring(ring: _Ring) -> str | None:
+    """The error a schedule for another ring size raises, or None."""
+    try:
+        WeiPipeRuntime(generate("weipipe-zb", ring.P + 1, ring.G), ring_group=ring.group,
+                       chunk_template=ring.template)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        return str(e)
+    return None
+
+
+def _bf16(ring: _Ring) -> tuple:
+    """bf16 compute and bf16 gradient messages: (loss error, grad error, main-grad dtype, bytes sent)."""
+    res = ring.run("weipipe-zb", post_fn=lambda h, mb: ring.head(h.float(), mb[1]),
+                   compute_dtype=torch.bfloat16, grad_dtype=torch.bfloat16)
+    return ring.loss_error(res), ring.grad_error(res), res.main_grad.dtype, res.bytes.as_dict()["sent"]
+
+
+def _options_worker(rank, world_size):
+    """Every option check on one ring of 2, G = 2; each test below reads its own entry."""
+    ring = _Ring(rank, world_size, G=2)
+    return {"skewed": _skewed_backward_weights(ring), "untagged": _untagged(ring), "wrong ring": _wrong_ring(ring),
+            "bf16": _bf16(ring)}
+
+
+@pytest.fixture(scope="module")
+def options_runs():
+    """Per-rank results of _options_worker: one spawned run for the four option tests."""
+    return run_distributed(_options_worker, 2, timeout=120)
+
+
 @pytest.mark.distributed
-def test_backward_weights_are_used_and_low_precision_options():
+@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "recompute"])
+def test_backward_reads_the_backward_weight_buffer(options_runs, recompute):
+    """Perturbing only what is loaded into bwd_weights leaves the losses exact and breaks the gradients."""
+    for out in options_runs:
+        loss_err, grad_err = out["skewed"][recompute]
+        assert loss_err < 1e-6, "forward must not read the backward-weight buffer"
+        assert grad_err > 1e-2, "backward must read the backward-weight buffer"
+
+
+@pytest.mark.distributed
+def test_untagged_receives_keep_flows_apart(options_runs):
+    """Receives posted in the sender's order keep the flows apart even on a ring of 2 where,
+    in list order, they would cross; any lookahead and every posting order."""
+    for out in options_runs:
+        untagged = out["untagged"]
+        assert len(untagged) == 4 and all(v < 1e-5 for v in untagged.values()), untagged
+
+
+@pytest.mark.distributed
+def test_schedule_for_another_ring_size_is_refused(options_runs):
+    for out in options_runs:
+        assert out["wrong ring"] == "schedule weipipe-zb is for a ring of 3 ranks, the ring group has 2"
+
+
+@pytest.mark.distributed
+def test_bf16_compute_and_gradient_messages(options_runs):
+    """bf16 compute / bf16 gradient messages run, stay close to the reference, keep an fp32
+    main gradient, and the byte counter sees 2-byte elements."""
     P, G = 2, 2
     numel = FlatViews.from_module(make_chunk(0)).numel
-    for rank, out in enumerate(run_distributed(_options_worker, P, timeout=120)):
-        for recompute in (False, True):
-            loss_err, grad_err = out[f"skewed_recompute={recompute}"]
-            assert loss_err < 1e-6, "forward must not read the backward-weight buffer"
-            assert grad_err > 1e-2, "backward must read the backward-weight buffer"
-        untagged = {k: v for k, v in out.items() if k.startswith("untagged")}
-        assert len(untagged) == 4 and all(v < 1e-5 for v in untagged.values()), untagged
-        assert out["wrong ring"] == "schedule weipipe-zb is for a ring of 3 ranks, the ring group has 2"
+    for rank, out in enumerate(options_runs):
         loss_err, grad_err, dtype, sent = out["bf16"]
         assert loss_err < 3e-2 and grad_err < 6e-2, (loss_err, grad_err)
         assert dtype == torch.float32

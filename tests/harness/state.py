@@ -26,7 +26,7 @@ def local_shards(model_chunks: Iterable[torch.nn.Module], what: str = "param") -
     """This rank's shards of every model tensor, keyed by '<key>@<layer coords>'."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron_weipipe.training.checkpointing import unwrap
+    from megatron_weipipe.training.checkpoint.torch_dist_format import unwrap
 
     out: dict[str, list[Shard]] = {}
     for chunk in map(unwrap, model_chunks):

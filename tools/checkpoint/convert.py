@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """Hugging Face Llama-family checkpoints in and out (offline; local directories only).
 
-    python tools/checkpoint/convert.py hf-to-mcore --hf-dir D --save CK [--tensor-model-parallel-size T]
-    python tools/checkpoint/convert.py mcore-to-hf --load CK --hf-dir D
+    python -m tools.checkpoint.convert hf-to-mcore --hf-dir D --save CK [--tensor-model-parallel-size T]
+    python -m tools.checkpoint.convert mcore-to-hf --load CK --hf-dir D
 
 hf-to-mcore writes a weights-only torch_dist checkpoint (layout-free keys, so it loads
 under any TP/PP/CP and schedule) and prints the model flags for ``pretrain_gpt.py --load
 CK``, with a --make-vocab-size-divisible-by that leaves no padded logits at TP=T. A
 tensor or config field that does not fit stops it with one line naming it (exit code 2).
 mcore-to-hf writes config.json and model.safetensors (float32) that transformers loads.
-See docs/checkpoints.md.
+See docs/reference/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [HERE, REPO]
 from megatron_weipipe.platform import quiet_host_notices  # noqa: E402
 
 quiet_host_notices()
 
-from hf_llama import ConversionError, hf_config, hf_to_mcore, mcore_to_hf, model_flags, shape_from_flags, shape_from_hf  # noqa: E402,E501
+from tools.checkpoint.hf_llama import ConversionError, hf_config, hf_to_mcore, mcore_to_hf, model_flags, shape_from_flags, shape_from_hf  # noqa: E402,E501
 
 
 def _read_hf(hf_dir: str):
@@ -76,7 +73,7 @@ def build_model(flags: list[str], vocab: int):
 def hf_to_mcore_cmd(args) -> int:
     import torch
 
-    from megatron_weipipe.training.checkpointing import save_weights
+    from megatron_weipipe.training.checkpoint.checkpointing import save_weights
 
     config, tensors = _read_hf(args.hf_dir)
     shape = shape_from_hf(config)
@@ -116,7 +113,7 @@ def load_model(root: str):
     """(flags, vocab rows, model) of the checkpoint ``root`` in one process (TP=1, PP=1)."""
     import dataclasses
 
-    from megatron_weipipe.training.checkpointing import load_checkpoint, saved_common
+    from megatron_weipipe.training.checkpoint.checkpointing import load_checkpoint, saved_common
 
     common = saved_common(root)
     flags = common.get("model_flags")
@@ -132,7 +129,7 @@ def load_model(root: str):
 def _embedding_rows(root: str) -> int:
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
-    from megatron_weipipe.training.checkpointing import checkpoint_dir, read_tracker
+    from megatron_weipipe.training.checkpoint.directory import checkpoint_dir, read_tracker
 
     meta = load_tensors_metadata(checkpoint_dir(root, read_tracker(root)))
     for key, t in meta.items():

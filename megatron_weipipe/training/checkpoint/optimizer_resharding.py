@@ -1,4 +1,4 @@
-"""Optimizer state in checkpoints: which format is saved, and loading it into another layout.
+"""Optimizer state in torch_dist checkpoints: its saved format, and loading it into another layout.
 
 The distributed optimizer saves in one of megatron-core's two formats:
 
@@ -19,7 +19,7 @@ step count travels in ``common.pt`` (``optimizer_step``) and the remaining setti
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -47,7 +47,7 @@ def optimizer_layout(cfg: PretrainConfig) -> dict:
     return {"distributed": dist_opt, "sharding_type": sharding, "precision": _precision(cfg)}
 
 
-def _kind(layout: dict) -> str:
+def kind(layout: dict) -> str:
     """distributed, float16 (plain with fp32 masters) or fp32 (plain, the weights are the masters)."""
     if layout.get("distributed"):
         return "distributed"
@@ -75,7 +75,7 @@ def check_resharding(saved: dict, now: dict) -> Optional[str]:
     return None
 
 
-def _single(optimizer):
+def single(optimizer):
     """The one optimizer inside megatron-core's ChainedOptimizer."""
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(inner) != 1:
@@ -85,17 +85,17 @@ def _single(optimizer):
 
 def adam_step(optimizer) -> Optional[float]:
     """The optimizer's step count (shared by every parameter), None for optimizers without one."""
-    inner = _single(optimizer).optimizer
+    inner = single(optimizer).optimizer
     for state in inner.state.values():
         if "step" in state:
             return float(state["step"])
     return None
 
 
-def _allocate_state(optimizer) -> None:
+def allocate_state(optimizer) -> None:
     """Give a fresh distributed optimizer zero Adam state and step 0: megatron-core's state_dict
     reads the step of every parameter's state, which torch creates only at the first step."""
-    opt = _single(optimizer)
+    opt = single(optimizer)
     init = getattr(opt, "init_state_fn", None)
     if init is None:
         return
@@ -104,33 +104,7 @@ def _allocate_state(optimizer) -> None:
         state.setdefault("step", torch.tensor(0.0))
 
 
-def save_state(optimizer, model_state: dict, cfg: PretrainConfig) -> dict:
-    sharding = optimizer_layout(cfg)["sharding_type"]
-    metadata = {"distrib_optim_sharding_type": sharding} if sharding else None
-    return optimizer.sharded_state_dict(model_state, is_loading=False, metadata=metadata)
-
-
-def load_request(optimizer, model_state: dict, saved: dict, now: dict,
-                 saved_step: Optional[float]) -> tuple[str, dict, Callable[[dict], None]]:
-    """(top-level key, sharded request, apply(loaded_value)) for this optimizer and checkpoint."""
-    saved_opt = saved.get("optimizer") or {"distributed": False, "precision": "fp32"}
-    load_kind, saved_kind = _kind(now["optimizer"]), _kind(saved_opt)
-    if load_kind == "distributed":
-        _allocate_state(optimizer)
-        sharding = saved_opt.get("sharding_type") or FULLY_RESHARDABLE
-        request = optimizer.sharded_state_dict(model_state, is_loading=True,
-                                               metadata={"distrib_optim_sharding_type": sharding})
-    else:
-        request = optimizer.sharded_state_dict(model_state, is_loading=True)
-    if load_kind == "distributed" and saved_kind == "distributed":
-        return "optimizer", request, lambda loaded: _load_distributed(optimizer, loaded)
-    if saved_kind != "distributed" and load_kind != "distributed":
-        return "optimizer", request, optimizer.load_state_dict
-    return "optimizer_resharded", *_cross_kind(optimizer, request, load_kind, saved_kind, saved_step,
-                                               _model_tensors(model_state))
-
-
-def _load_distributed(optimizer, state: dict) -> None:
+def load_distributed(optimizer, state: dict) -> None:
     """megatron-core's DistributedOptimizer.load_state_dict, with torch's Adam step handled.
 
     Without TE/apex the optimizer is torch's Adam, whose per-parameter ``step`` tensor
@@ -139,7 +113,7 @@ def _load_distributed(optimizer, state: dict) -> None:
     fully_reshardable format, which omits it. The step is therefore set aside while the
     tensors load and given back to each parameter as its own tensor.
     """
-    opt = _single(optimizer)
+    opt = single(optimizer)
     param_state = state.pop("param_state", None)
     sharding = state.pop("param_state_sharding_type", None)
     opt.load_state_dict(state)
@@ -152,7 +126,7 @@ def _load_distributed(optimizer, state: dict) -> None:
         opt.optimizer.state[p]["step"] = step.detach().clone()
 
 
-def _model_tensors(model_state: dict) -> dict:
+def model_tensors(model_state: dict) -> dict:
     """{(sharded key, global offset): this rank's model parameter} from the model part of a
     sharded state dict (layers share a key and differ in offset)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -187,46 +161,59 @@ def _rename_main_params(tensors: dict, load_kind: str, saved_kind: str) -> dict:
     return from_weights
 
 
-def _cross_kind(optimizer, request: dict, load_kind: str, saved_kind: str, saved_step: Optional[float],
-                weights: dict):
-    """Distributed <-> plain: read only tensors, rebuild the rest from this optimizer's own state."""
+def _unwrap_param_groups(groups):
+    """The request's param groups with megatron-core's non-persistent wrappers removed."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 
-    if load_kind == "distributed":
-        tensors = {"param_state": request["param_state"]}
-    elif load_kind == "float16":
+    out = copy.copy(groups)
+    for g in out:
+        if isinstance(g.get("params"), LocalNonpersistentObject):
+            g["params"] = g["params"].unwrap()
+    return out
+
+
+def from_plain(optimizer, request: dict, saved_kind: str, saved_step: Optional[float], weights: dict):
+    """A plain optimizer's state into the distributed optimizer: (tensors to request, apply(loaded)).
+
+    Only the tensors are read; the rest of the state is this optimizer's own. A plain fp32
+    optimizer kept no masters: they are taken from ``weights``, loaded into the model just before.
+    """
+    tensors = {"param_state": request["param_state"]}
+    from_weights = _rename_main_params(tensors, "distributed", saved_kind)
+
+    def apply(loaded: dict) -> None:
+        state = {k: v for k, v in request.items() if k not in ("param_state",)}
+        for group in state["optimizer"]["param_groups"]:
+            if "step" in group and saved_step is not None:
+                group["step"] = saved_step
+        state["param_state"] = loaded["param_state"]
+        for idx, key in from_weights.items():  # loaded into the model just before
+            state["param_state"][idx]["param"] = weights[key].detach().float()
+        load_distributed(optimizer, state)
+
+    return tensors, apply
+
+
+def from_distributed(optimizer, request: dict, load_kind: str, saved_step: Optional[float]):
+    """The distributed optimizer's state into a plain one (``load_kind`` float16 or fp32):
+    (tensors to request, apply(loaded)), reading only tensors."""
+    if load_kind == "float16":
         tensors = {"state": request["optimizer"]["state"], "fp32_from_fp16_params": request["fp32_from_fp16_params"]}
     else:
         tensors = {"state": request["state"]}
-    from_weights = _rename_main_params(tensors, load_kind, saved_kind)
+    _rename_main_params(tensors, load_kind, "distributed")
     step = torch.tensor(float(saved_step or 0.0))
 
-    def unwrap(groups):
-        out = copy.copy(groups)
-        for g in out:
-            if isinstance(g.get("params"), LocalNonpersistentObject):
-                g["params"] = g["params"].unwrap()
-        return out
-
     def apply(loaded: dict) -> None:
-        if load_kind == "distributed":
-            state = {k: v for k, v in request.items() if k not in ("param_state",)}
-            for group in state["optimizer"]["param_groups"]:
-                if "step" in group and saved_step is not None:
-                    group["step"] = saved_step
-            state["param_state"] = loaded["param_state"]
-            for idx, key in from_weights.items():  # loaded into the model just before
-                state["param_state"][idx]["param"] = weights[key].detach().float()
-            _load_distributed(optimizer, state)
-            return
-        elif load_kind == "float16":
-            inner = {"state": loaded["state"], "param_groups": unwrap(request["optimizer"]["param_groups"])}
+        if load_kind == "float16":
+            groups = _unwrap_param_groups(request["optimizer"]["param_groups"])
+            inner = {"state": loaded["state"], "param_groups": groups}
             if saved_step is not None:
                 inner["state"]["common_step"] = step
             state = {k: v for k, v in request.items() if k not in ("optimizer", "fp32_from_fp16_params")}
             state.update(optimizer=inner, fp32_from_fp16_params=loaded["fp32_from_fp16_params"])
         else:
-            state = {"state": loaded["state"], "param_groups": unwrap(request["param_groups"])}
+            state = {"state": loaded["state"], "param_groups": _unwrap_param_groups(request["param_groups"])}
             if saved_step is not None:
                 state["state"]["common_step"] = step
         optimizer.load_state_dict(state)

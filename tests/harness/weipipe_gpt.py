@@ -1,4 +1,4 @@
-"""Shared by the tests/test_weipipe_gpt_*.py files: train in spawned ranks, bring back
+"""GPT training in spawned ranks for the parity, checkpoint and overlap tests: brings back
 losses, reduced gradients per iteration, final parameters, bytes and the log text."""
 
 from __future__ import annotations

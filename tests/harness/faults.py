@@ -19,7 +19,7 @@ from typing import Optional
 
 import psutil
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 DATA = os.path.join(ROOT, "data", "sample_text_document")
 

@@ -1,0 +1,185 @@
+"""DDP runs' checkpoints: megatron-core dist_checkpointing in its torch_dist format.
+
+One sharded state dict holds the model chunks (``model`` or ``model0``, ``model1``, ...),
+the optimizer (``optimizer``; ``optimizer_resharded`` when loading across optimizer
+kinds), the LR schedule (``opt_param_scheduler``) and the RNG state of each (pipeline,
+tensor) coordinate; megatron-core reshards the model into any layout on load. The two
+formats differ only in how the optimizer state is written and requested
+(optimizer_resharding.py says which combinations load).
+
+Loading reads files as data only: megatron-core's reader runs with safe_load's planner
+and common-state reader.
+"""
+
+from __future__ import annotations
+
+import queue
+from abc import abstractmethod
+from typing import Callable, Optional
+
+import torch
+
+from megatron_weipipe import mcore_versions
+from megatron_weipipe.training.checkpoint import optimizer_resharding as opt_state
+from megatron_weipipe.training.checkpoint import safe_load
+from megatron_weipipe.training.checkpoint.state_format import (StateFormat, TrainState, load_failure, model_keys,
+                                                              rng_streams)
+
+DDP_MODE = "ddp"
+_PLAIN_FP32 = {"distributed": False, "precision": "fp32"}  # what a layout without an optimizer entry saved
+
+# (top-level key, sharded request, apply(loaded value)) of the optimizer part of a load
+OptimizerRequest = tuple[str, dict, Callable[[dict], None]]
+
+
+def unwrap(chunk):
+    """The model inside a DDP wrapper: checkpoint keys must not depend on the wrapper."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+def model_state_dict(model_chunks) -> dict:
+    """The sharded state dict of every model chunk, under its checkpoint key."""
+    return {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(model_keys(model_chunks), model_chunks)}
+
+
+def save_sharded(state: dict, path: str) -> None:
+    """megatron-core's synchronous torch_dist save of ``state`` into ``path``."""
+    from megatron.core import dist_checkpointing
+
+    _avoid_result_manager_process()
+    dist_checkpointing.save(state, path)
+
+
+def _avoid_result_manager_process() -> None:
+    """Keep megatron-core's synchronous writer from starting a multiprocessing Manager.
+
+    Its torch_dist writer collects results through a queue that it creates, on first use,
+    with a ``spawn`` Manager: a server process that lives until interpreter exit and is
+    orphaned if the rank is killed. A synchronous save produces and consumes the results
+    in this process, so an in-process queue does the same job. (An asynchronous save would
+    need the Manager back; this package saves synchronously.)
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def _rng_state(ctx):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    groups = ctx.groups
+    # One object per (pipeline, tensor) coordinate; data-parallel copies are replicas.
+    return ShardedObject(
+        "rng_state",
+        [rng_streams(ctx.platform).get_state()],
+        (groups.pp_size, groups.tp_size),
+        (groups.pp_rank, groups.tp_rank),
+        replica_id=groups.dp_rank * groups.cp_size + groups.cp_rank,
+    )
+
+
+class TorchDistFormat(StateFormat):
+    """Model, optimizer, LR schedule and RNG in one megatron-core sharded state dict."""
+
+    data_parallel_mode = DDP_MODE
+
+    def refusal(self, saved_layout: dict, now_layout: dict, load_optimizer: bool) -> Optional[str]:
+        if saved_layout.get("data_parallel_mode", DDP_MODE) != DDP_MODE:
+            return ("the checkpoint was saved with --use-torch-fsdp2 (torch.distributed.checkpoint of the FSDP2 "
+                    "DTensors) and loads only with --use-torch-fsdp2")
+        return opt_state.check_resharding(saved_layout, now_layout) if load_optimizer else None
+
+    def sharded_state_dict(self, state: TrainState, *, with_optim: bool) -> dict:
+        sharded = model_state_dict(state.model_chunks)
+        if with_optim and state.optimizer is not None:
+            sharded["optimizer"] = self._optimizer_state(state.optimizer, sharded)
+            sharded["opt_param_scheduler"] = state.scheduler.state_dict() if state.scheduler is not None else {}
+        sharded["rng_state"] = _rng_state(state.ctx)
+        return sharded
+
+    def save(self, state: TrainState, path: str, common: dict) -> None:
+        optimizer_step = opt_state.adam_step(state.optimizer) if state.optimizer is not None else None
+        sharded = self.sharded_state_dict(state, with_optim=True)
+        save_sharded({**sharded, **common, "optimizer_step": optimizer_step}, path)
+
+    def load(self, state: TrainState, path: str, common: dict, *, with_optim: bool, with_rng: bool):
+        sharded = model_state_dict(state.model_chunks)
+        optimizer_key, apply_optimizer = "optimizer", None
+        if with_optim and state.optimizer is not None:
+            saved_opt = common.get("layout", {}).get("optimizer") or _PLAIN_FP32
+            optimizer_key, request, apply_optimizer = self._optimizer_request(
+                state.optimizer, sharded, saved_opt, common.get("optimizer_step"))
+            sharded[optimizer_key] = request
+            sharded["opt_param_scheduler"] = state.scheduler.state_dict() if state.scheduler is not None else {}
+        if with_rng:
+            sharded["rng_state"] = _rng_state(state.ctx)
+        try:
+            loaded = _read(sharded, path)
+        except Exception as e:
+            raise load_failure(path, e) from e
+        for key, chunk in zip(model_keys(state.model_chunks), state.model_chunks):
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        if apply_optimizer is not None:
+            with torch.no_grad():  # the state is copied into the optimizer's leaf parameters in place
+                apply_optimizer(loaded[optimizer_key])
+            if state.scheduler is not None and loaded.get("opt_param_scheduler"):
+                state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        return loaded["rng_state"] if with_rng else None
+
+    @abstractmethod
+    def _optimizer_state(self, optimizer, model_state: dict) -> dict:
+        """The optimizer's sharded state to save."""
+
+    @abstractmethod
+    def _optimizer_request(self, optimizer, model_state: dict, saved_opt: dict,
+                           saved_step: Optional[float]) -> OptimizerRequest:
+        """What to ask the checkpoint for the optimizer saved as ``saved_opt``, and how to apply it."""
+
+
+def _read(sharded: dict, path: str) -> dict:
+    """megatron-core's load of ``sharded`` from ``path``, reading every file as data only."""
+    from megatron.core import dist_checkpointing
+
+    with safe_load.safe_byte_objects():
+        common_kwargs = {"common_strategy": safe_load.common_strategy()} \
+            if mcore_versions.load_takes_common_strategy() else {}
+        return dist_checkpointing.load(sharded, path, **common_kwargs)
+
+
+class PlainOptimizerFormat(TorchDistFormat):
+    """megatron-core's plain optimizer: its state in the shapes of the model's parameters."""
+
+    def _optimizer_state(self, optimizer, model_state: dict) -> dict:
+        return optimizer.sharded_state_dict(model_state, is_loading=False, metadata=None)
+
+    def _optimizer_request(self, optimizer, model_state, saved_opt, saved_step) -> OptimizerRequest:
+        request = optimizer.sharded_state_dict(model_state, is_loading=True)
+        if opt_state.kind(saved_opt) != "distributed":
+            return "optimizer", request, optimizer.load_state_dict
+        load_kind = opt_state.kind(self.layout["optimizer"])
+        return "optimizer_resharded", *opt_state.from_distributed(optimizer, request, load_kind, saved_step)
+
+
+class DistributedOptimizerFormat(TorchDistFormat):
+    """``--use-distributed-optimizer``: the state in dp_reshardable or fully_reshardable form."""
+
+    def _optimizer_state(self, optimizer, model_state: dict) -> dict:
+        sharding = self.layout["optimizer"]["sharding_type"]
+        return optimizer.sharded_state_dict(model_state, is_loading=False,
+                                            metadata={"distrib_optim_sharding_type": sharding})
+
+    def _optimizer_request(self, optimizer, model_state, saved_opt, saved_step) -> OptimizerRequest:
+        opt_state.allocate_state(optimizer)
+        sharding = saved_opt.get("sharding_type") or opt_state.FULLY_RESHARDABLE
+        request = optimizer.sharded_state_dict(model_state, is_loading=True,
+                                               metadata={"distrib_optim_sharding_type": sharding})
+        saved_kind = opt_state.kind(saved_opt)
+        if saved_kind == "distributed":
+            return "optimizer", request, lambda loaded: opt_state.load_distributed(optimizer, loaded)
+        return "optimizer_resharded", *opt_state.from_plain(optimizer, request, saved_kind, saved_step,
+                                                            opt_state.model_tensors(model_state))
