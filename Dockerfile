@@ -10,7 +10,7 @@
 #   docker run --ipc=host --rm megatron-weipipe:cpu bash examples/cpu_quickstart.sh
 #
 # pip settings come in as build secrets, never as layers: --secret id=pip_cert,src=CA_BUNDLE
-# (a proxy's CA) and --secret id=pip_conf,src=PIP_CONF (indexes, find-links). docs/docker.md
+# (a proxy's CA) and --secret id=pip_conf,src=PIP_CONF (indexes, find-links). docs/guide/docker.md
 # has the measured sizes and build times, and the cluster commands.
 ARG BASE=nvcr.io/nvidia/pytorch:25.01-py3
 FROM ${BASE}

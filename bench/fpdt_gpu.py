@@ -9,8 +9,8 @@ without a group (whole sequence, the kernel ``auto`` picks), FPDT is the chunked
 The kernel section self-checks every CUDA block kernel (``kernels.cuda_kernels``) for
 the run's dtype and fp32 against the math kernel, and times one block of each.
 
-  python bench/fpdt_gpu.py                      # H100/H200-sized defaults, a few minutes
-  python bench/fpdt_gpu.py --device cpu --tiny  # the same code on CPU with tiny shapes
+  python -m bench.fpdt_gpu                      # H100/H200-sized defaults, a few minutes
+  python -m bench.fpdt_gpu --device cpu --tiny  # the same code on CPU with tiny shapes
 
 Sections can be skipped (--skip check kernels overhead longest) to fit a time budget; the
 longest-sequence search is bounded by --budget-gib, --max-seq and --bisect-steps.
@@ -26,12 +26,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_weipipe.fpdt import FPDTConfig, HostBufferPool, fpdt_attention, ulysses_attention  # noqa: E402
-from fpdt_util import (  # noqa: E402
+from bench.fpdt_util import (
     LLAMA3_8B,
     Layer,
     LayerShape,
@@ -40,7 +37,8 @@ from fpdt_util import (  # noqa: E402
     peak_rss_bytes,
     rss_bytes,
 )
-from megatron_weipipe.fpdt.kernels import cuda_kernels, select_kernel, self_check  # noqa: E402
+from megatron_weipipe.fpdt import FPDTConfig, HostBufferPool, fpdt_attention, ulysses_attention
+from megatron_weipipe.fpdt.kernels import cuda_kernels, select_kernel, self_check
 
 GiB = 2**30
 
@@ -189,7 +187,7 @@ def overhead(device, dtype, shape: LayerShape, seq, chunks, rounds, offload):
     return rows
 
 
-def main(argv=None):
+def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
@@ -203,7 +201,58 @@ def main(argv=None):
     ap.add_argument("--bisect-steps", type=int, default=2)
     ap.add_argument("--block", type=int, default=8192, help="block (chunk) length for the per-kernel timing")
     ap.add_argument("--skip", nargs="*", default=[], choices=["check", "kernels", "overhead", "longest"])
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _check_section(results, lines, device, dtype, shape):
+    results["check"] = kernel_check(device, dtype, shape.head_dim)
+    lines.append("")
+    for key, err in results["check"]["each"].items():
+        lines.append(f"  {key}: max |err| vs math kernel {err:.3g}" if isinstance(err, float) else f"  {key}: {err}")
+    lines.append(f"kernel {results['check']['kernel']}: max |err| vs math kernel {results['check']['max_abs_err_vs_math']:.3g}")
+
+
+def _kernels_section(results, lines, device, dtype, shape, args):
+    rows = kernel_speed(device, dtype, shape, args.block, args.rounds)
+    results["kernels"] = rows
+    lines += [f"\none block fwd+bwd per kernel, sq = sk = {args.block}, heads {shape.heads}/{shape.groups}, "
+              f"d {shape.head_dim}, {dtype} (median of {args.rounds})",
+              "| kernel | causal | ms | TFLOP/s | grouped heads |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['causal']} | " + (
+            f"{r['ms']:.2f} | {r['tflops']:.3g} | {r['gqa']} |" if "ms" in r else f"{r['error']} | | |"))
+    print("\n".join(lines[-len(rows) - 3 :]), flush=True)
+
+
+def _overhead_section(results, lines, device, dtype, shape, args):
+    rows = overhead(device, dtype, shape, args.seq, args.chunks, args.rounds, offload=True)
+    results["overhead"] = rows
+    lines += [
+        f"\nattention layer fwd+bwd, S={args.seq}, {args.rounds} alternating rounds (attention-core model TFLOP/s)",
+        "| chunks | offload | plain s | FPDT s | ratio | plain TFLOP/s | FPDT TFLOP/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['chunks']} | {r['offload']} | {r['plain_s']:.4f} | {r['fpdt_s']:.4f} | {r['ratio']:.3f} | "
+            f"{r['plain_attn_tflops']:.3g} | {r['fpdt_attn_tflops']:.3g} |"
+        )
+    print("\n".join(lines[-len(rows) - 3 :]), flush=True)
+
+
+def _longest_section(results, lines, device, dtype, shape, args):
+    budget = args.budget_gib * GiB
+    results["longest"] = {}
+    lines += [f"\nlongest S within {args.budget_gib:g} GiB (layer fwd+bwd, FPDT chunk {args.chunk})", "| method | longest S | probes |", "|---|---|---|"]
+    for method in ("plain", "fpdt", "fpdt_offload"):
+        best, probes = longest_bounded(device, dtype, shape, method, args.chunk, budget, args.start_seq, args.max_seq, args.bisect_steps)
+        results["longest"][method] = dict(best=best, probes=probes)
+        cells = " ".join(f"{p['seq']}:{p['gib']:.1f}" for p in probes)
+        lines.append(f"| {method} | {best}{' (cap)' if best >= args.max_seq else ''} | {cells} |")
+
+
+def main(argv=None):
+    args = _parse(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = LLAMA3_8B
@@ -216,52 +265,17 @@ def main(argv=None):
         name = torch.cuda.get_device_name(device)
     else:
         name = f"cpu x{torch.get_num_threads()} threads"
-    cmd = f"python bench/fpdt_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}"
+    cmd = f"python -m bench.fpdt_gpu {' '.join(sys.argv[1:] if argv is None else argv)}"
     results = dict(command=cmd, device=name, dtype=str(dtype), shape=shape.__dict__, date=time.strftime("%Y-%m-%d"))
     lines = [f"# {cmd}", f"# device {name}, {dtype}, layer {shape}"]
-
     if "check" not in args.skip:
-        results["check"] = kernel_check(device, dtype, shape.head_dim)
-        lines.append("")
-        for key, err in results["check"]["each"].items():
-            lines.append(f"  {key}: max |err| vs math kernel {err:.3g}" if isinstance(err, float) else f"  {key}: {err}")
-        lines.append(f"kernel {results['check']['kernel']}: max |err| vs math kernel {results['check']['max_abs_err_vs_math']:.3g}")
-
+        _check_section(results, lines, device, dtype, shape)
     if "kernels" not in args.skip and device.type == "cuda":
-        rows = kernel_speed(device, dtype, shape, args.block, args.rounds)
-        results["kernels"] = rows
-        lines += [f"\none block fwd+bwd per kernel, sq = sk = {args.block}, heads {shape.heads}/{shape.groups}, "
-                  f"d {shape.head_dim}, {dtype} (median of {args.rounds})",
-                  "| kernel | causal | ms | TFLOP/s | grouped heads |", "|---|---|---|---|---|"]
-        for r in rows:
-            lines.append(f"| {r['kernel']} | {r['causal']} | " + (
-                f"{r['ms']:.2f} | {r['tflops']:.3g} | {r['gqa']} |" if "ms" in r else f"{r['error']} | | |"))
-        print("\n".join(lines[-len(rows) - 3 :]), flush=True)
-
+        _kernels_section(results, lines, device, dtype, shape, args)
     if "overhead" not in args.skip:
-        rows = overhead(device, dtype, shape, args.seq, args.chunks, args.rounds, offload=True)
-        results["overhead"] = rows
-        lines += [
-            f"\nattention layer fwd+bwd, S={args.seq}, {args.rounds} alternating rounds (attention-core model TFLOP/s)",
-            "| chunks | offload | plain s | FPDT s | ratio | plain TFLOP/s | FPDT TFLOP/s |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            lines.append(
-                f"| {r['chunks']} | {r['offload']} | {r['plain_s']:.4f} | {r['fpdt_s']:.4f} | {r['ratio']:.3f} | "
-                f"{r['plain_attn_tflops']:.3g} | {r['fpdt_attn_tflops']:.3g} |"
-            )
-        print("\n".join(lines[-len(rows) - 3 :]), flush=True)
-
+        _overhead_section(results, lines, device, dtype, shape, args)
     if "longest" not in args.skip:
-        budget = args.budget_gib * GiB
-        results["longest"] = {}
-        lines += [f"\nlongest S within {args.budget_gib:g} GiB (layer fwd+bwd, FPDT chunk {args.chunk})", "| method | longest S | probes |", "|---|---|---|"]
-        for method in ("plain", "fpdt", "fpdt_offload"):
-            best, probes = longest_bounded(device, dtype, shape, method, args.chunk, budget, args.start_seq, args.max_seq, args.bisect_steps)
-            results["longest"][method] = dict(best=best, probes=probes)
-            cells = " ".join(f"{p['seq']}:{p['gib']:.1f}" for p in probes)
-            lines.append(f"| {method} | {best}{' (cap)' if best >= args.max_seq else ''} | {cells} |")
+        _longest_section(results, lines, device, dtype, shape, args)
 
     text = "\n".join(lines)
     print("\n" + text)

@@ -11,7 +11,7 @@ On a CPU host offloading copies to the same memory, so its RSS cannot drop: the 
 chunk state is the number that shows what offload saves on a GPU.
 
 Example (the command printed with the tables):
-  OMP_NUM_THREADS=1 python bench/fpdt_memory.py --seqs 2048 4096 8192 --budget-mib 160
+  OMP_NUM_THREADS=1 python -m bench.fpdt_memory --seqs 2048 4096 8192 --budget-mib 160
 """
 
 from __future__ import annotations
@@ -21,13 +21,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/harness: the spawn helper of the tests
+import torch
 
-import torch  # noqa: E402
-
-from fpdt_util import METHODS, Layer, LayerShape, longest_fitting, make_params, peak_rss_bytes, rss_bytes  # noqa: E402
-from harness import run_distributed  # noqa: E402
+from bench.fpdt_util import METHODS, Layer, LayerShape, longest_fitting, make_params, peak_rss_bytes, rss_bytes
+from tests.harness import run_distributed
 
 MiB = 2**20
 
@@ -112,7 +109,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     shape = LayerShape(args.hidden, args.heads, args.groups, args.head_dim, args.ffn, 1)
     unit = "max_memory_allocated" if args.device == "cuda" else "peak RSS - baseline"
-    print(f"# command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} python bench/fpdt_memory.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"# command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} python -m bench.fpdt_memory {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# layer {shape}, float32 on CPU / bf16 on CUDA, CP={args.cp} (plain: 1 rank), chunk C={args.chunk}; memory = {unit}, max over ranks")
 
     if args.seqs:

@@ -7,7 +7,7 @@ runs). Each timing is the slowest rank's, between barriers. One process per core
 2-core host use --cp 2 (or 1). Attention layer only (projections, all-to-alls, rotary,
 block kernel), float32 with the CPU flash kernel unless --kernel says otherwise.
 
-  OMP_NUM_THREADS=1 python bench/fpdt_overhead.py --seq 4096 --cp 2 --rounds 7
+  OMP_NUM_THREADS=1 python -m bench.fpdt_overhead --seq 4096 --cp 2 --rounds 7
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/harness: the spawn helper of the tests
+import torch
 
-import torch  # noqa: E402
-
-import fpdt_util  # noqa: E402
-from harness import run_distributed  # noqa: E402
+from bench import fpdt_util
+from tests.harness import run_distributed
 
 
 def _rank(rank, world, args):
@@ -81,7 +78,7 @@ def main(argv=None):
     ap.add_argument("--kernel", default="auto")
     ap.add_argument("--offload", action="store_true")
     args = ap.parse_args(argv)
-    print(f"# command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} python bench/fpdt_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"# command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} python -m bench.fpdt_overhead {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# attention layer S={args.seq} CP={args.cp} hidden={args.hidden} heads={args.heads} kv={args.groups} d={args.head_dim} {args.dtype} offload={args.offload}; {args.rounds} alternating rounds, slowest rank")
     times = run_distributed(_rank, args.cp, args, timeout=3600)[0]
     print("\n| chunks u | Ulysses median (s) | FPDT median (s) | median ratio FPDT/Ulysses | ratio of minima |")

@@ -8,7 +8,7 @@ causal or masked blocks) and skipped per forward, the median time, and the media
 pairwise ratios packed/unpacked (MEASURING.md: ratios within one run). Slowest rank,
 between barriers; one process per core.
 
-  OMP_NUM_THREADS=1 python bench/fpdt_packed.py --seq 16384 --chunks 1024 2048 --means 1024 4096 --cp 2
+  OMP_NUM_THREADS=1 python -m bench.fpdt_packed --seq 16384 --chunks 1024 2048 --means 1024 4096 --cp 2
 """
 
 from __future__ import annotations
@@ -19,13 +19,10 @@ import random
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import torch
 
-import torch  # noqa: E402
-
-import fpdt_util  # noqa: E402
-from harness import run_distributed  # noqa: E402
+from bench import fpdt_util
+from tests.harness import run_distributed
 
 
 def document_lengths(seq: int, mean: int, seed: int) -> list[int]:
@@ -95,7 +92,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--offload", action="store_true")
     args = ap.parse_args(argv)
-    print(f"# command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} python bench/fpdt_packed.py "
+    print(f"# command: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} python -m bench.fpdt_packed "
           f"{' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# FPDT attention fwd+bwd, S={args.seq} CP={args.cp} hidden={args.hidden} heads={args.heads} "
           f"kv={args.groups} d={args.head_dim} float32 offload={args.offload}; {args.rounds} alternating rounds")

@@ -17,8 +17,8 @@ scaled_dot_product_attention, the CPU flash kernel; megatron-core's unfused atte
 s x s score matrix would not fit at 16K); every schedule runs the same layers. Rotary positions (no position-embedding table,
 whose gradient all-reduce would otherwise dominate WeiPipe's collectives at 16K).
 
-  OMP_NUM_THREADS=1 python bench/weipipe_vs_1f1b.py
-  OMP_NUM_THREADS=1 python bench/weipipe_vs_1f1b.py --seqs 1024 2048 --rounds 3
+  OMP_NUM_THREADS=1 python -m bench.weipipe_vs_1f1b
+  OMP_NUM_THREADS=1 python -m bench.weipipe_vs_1f1b --seqs 1024 2048 --rounds 3
 """
 
 from __future__ import annotations
@@ -29,10 +29,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/harness: the spawn helper of the tests
-
-from harness import run_distributed  # noqa: E402
+from tests.harness import run_distributed
 
 SCHEDULES = ("1f1b", "weipipe-interleave", "weipipe-zb")
 
@@ -181,7 +178,7 @@ def main() -> None:
           f"heads={a.heads} micro-batch={a.micro_batch} microbatches/iter={a.microbatches}; float32; "
           f"median of {a.rounds} rounds after 1 warm-up; wall {time.time() - t0:.0f}s; "
           f"host load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
-    print("# command: OMP_NUM_THREADS=1 python " + " ".join(sys.argv))
+    print("# command: OMP_NUM_THREADS=1 python -m bench.weipipe_vs_1f1b " + " ".join(sys.argv[1:]))
     print(report(per_rank, a))
 
 

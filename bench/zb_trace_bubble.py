@@ -2,7 +2,7 @@
 
 Each (schedule, G, round) is one `torchrun --nproc-per-node 2 pretrain_gpt.py
 --pipeline-schedule S --schedule-trace DIR` (a ring of P=2, each rank pinned to its own
-core by bench/_pinned_rank.py, OMP_NUM_THREADS=1), rounds rotating the order of the
+core by bench/pinned_rank.py, OMP_NUM_THREADS=1), rounds rotating the order of the
 schedules. From the traces (timing/measured.py; every iteration but the first, optimizer
 step excluded): the measured bubble, the mean iteration time, the mean cost of each
 compute kind, and the planned bubble, which is the simulator on the schedule's plan at
@@ -11,7 +11,7 @@ those measured costs. The zb / interleave ratio of iteration times is taken per 
 iteration of each schedule over all rounds (the least disturbed by other load). See shared/design/MEASURING.md: on
 shared CPUs only ratios within a round and medians mean much.
 
-  OMP_NUM_THREADS=1 python bench/zb_trace_bubble.py --Gs 2 4 8 --rounds 3
+  OMP_NUM_THREADS=1 python -m bench.zb_trace_bubble --Gs 2 4 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -24,11 +24,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from megatron_weipipe.schedules.timing import measured  # noqa: E402
-from schedule_timeline import planned_from_trace  # noqa: E402
+from megatron_weipipe.schedules.timing import measured
+from tools.schedule_timeline import planned_from_trace
 
 SCHEDULES = ("weipipe-interleave", "weipipe-zb")
 
@@ -49,7 +46,7 @@ def flags(schedule: str, G: int, args) -> list[str]:
 def run_one(schedule: str, G: int, args, port: int) -> dict:
     with tempfile.TemporaryDirectory() as trace_dir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               os.path.join(ROOT, "bench", "_pinned_rank.py"), *flags(schedule, G, args),
+               "-m", "bench.pinned_rank", *flags(schedule, G, args),
                "--schedule-trace", trace_dir]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -74,7 +71,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=600)
     args = ap.parse_args()
-    print("command: OMP_NUM_THREADS=1 python bench/zb_trace_bubble.py " + " ".join(sys.argv[1:]))
+    print("command: OMP_NUM_THREADS=1 python -m bench.zb_trace_bubble " + " ".join(sys.argv[1:]))
     results = {}
     port = 29600
     for r in range(args.rounds):

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 GPUS=${GPUS:-8}
-DATA=${DATA:?set DATA to a preprocessed prefix (tools/preprocess_data.py)}
+DATA=${DATA:?set DATA to a preprocessed prefix (python -m tools.preprocess_data)}
 TOKENIZER=${TOKENIZER:?set TOKENIZER to a local tokenizer.json}
 CKPT=${CKPT:-checkpoints/gpu_single_node}
 SCHEDULE=${SCHEDULE:-weipipe-interleave}

@@ -15,7 +15,7 @@
 # the time limit; --exit-signal-handler finishes the iteration, saves and exits 0, and the
 # requeued job resumes from --load. A crash is requeued at most MAX_CRASH_RESTARTS times.
 # The same script runs on CPU nodes with a tiny model: examples/slurm_cpu.sh sets the
-# environment variables below (NPROC_PER_NODE, MODEL_ARGS, DATA_ARGS, ...). See docs/cluster.md.
+# environment variables below (NPROC_PER_NODE, MODEL_ARGS, DATA_ARGS, ...). See docs/guide/cluster.md.
 # GPU memory: 80 GB
 # tools/dry_run.py --platform cuda counts 42.2 GB at the peak (rank 8 of 32, pipeline rank 1;
 # local layers with torch's fused SDPA; 128K vocabulary). tests/test_examples_fit.py checks it.

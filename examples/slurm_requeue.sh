@@ -29,7 +29,7 @@
 #     the last completed save, so a crash costs at most one --save-interval of work.
 # The 120 s lead time must cover one iteration plus one save. The same script runs on CPU
 # nodes with a tiny model: examples/slurm_cpu.sh sets NPROC_PER_NODE, MODEL_ARGS, DATA_ARGS,
-# ... See docs/cluster.md.
+# ... See docs/guide/cluster.md.
 # GPU memory: 80 GB
 # tools/dry_run.py --platform cuda counts 37.1 GB at the peak (rank 0 of 16; local layers with
 # torch's fused SDPA; 128K vocabulary). tests/test_examples_fit.py checks it.
@@ -53,7 +53,7 @@ MODEL_ARGS=(${MODEL_ARGS:-
   --micro-batch-size 1 --global-batch-size 64
   --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 500 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0
   --bf16})
-DATA_ARGS=(${DATA_ARGS:---data-path ${DATA:?set DATA to a preprocessed data prefix (tools/preprocess_data.py)}
+DATA_ARGS=(${DATA_ARGS:---data-path ${DATA:?set DATA to a preprocessed data prefix (python -m tools.preprocess_data)}
   --tokenizer-type HuggingFaceTokenizer --tokenizer-model ${TOKENIZER:?set TOKENIZER to a local tokenizer.json}})
 
 # Watchdog: a rank whose heartbeat stops for this long is declared dead (default 30 s).

@@ -1,5 +1,5 @@
 import filecmp
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -11,16 +11,11 @@ import pytest
 from megatron_weipipe.data import ByteLevelTokenizer, NullTokenizer, check_indexed_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-TOOL = REPO / "tools" / "preprocess_data.py"
 SAMPLE = REPO / "data" / "sample_text_document"
 
 
 def _load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # pool workers find _encode by module name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"tools.{name}")  # pool workers find _encode by module name
 
 
 preprocess_data = _load_tool("preprocess_data")
@@ -111,8 +106,9 @@ def test_cli_exit_code_and_single_stderr_line(tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "fine"}\n{"text": "fine"}\nnot json\n')
     proc = subprocess.run(
-        [sys.executable, str(TOOL), "--input", str(src), "--output-prefix", str(tmp_path / "x"), "--workers", "2"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [sys.executable, "-m", "tools.preprocess_data", "--input", str(src), "--output-prefix", str(tmp_path / "x"),
+         "--workers", "2"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: {src} line 3 is not valid JSON (Expecting value at column 1)"]

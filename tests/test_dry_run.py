@@ -19,7 +19,7 @@ TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 12
 
 def _dry(*flags, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "dry_run.py"), *TINY, *flags, "--json"],
+    return subprocess.run([sys.executable, "-m", "tools.dry_run", *TINY, *flags, "--json"],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -80,9 +80,9 @@ def test_fsdp_bf16_rank_state_is_its_shards_and_the_gathered_units():
 def test_estimator_within_ten_percent_of_the_dry_run_per_category():
     """tools/simulator_validation/dry_run_vs_estimator.py at the small scale for three
     schedule x long-context combinations (ones the small scale brings within 10%; see
-    docs/gpu_readiness.md for the whole table): every category (state, activations, WeiPipe
+    docs/results/memory.md for the whole table): every category (state, activations, WeiPipe
     buffers, FPDT chunk state, host bytes, sent bytes, the peak) within 10%."""
-    from simulator_validation.dry_run_vs_estimator import CATEGORIES, case_flags, compare, run_case
+    from tools.simulator_validation.dry_run_vs_estimator import CATEGORIES, case_flags, compare, run_case
 
     bad = []
     for schedule, mode in (("none", "offload"), ("1f1b", "ulysses"), ("1f1b", "off")):

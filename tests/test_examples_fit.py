@@ -89,7 +89,7 @@ def test_every_gpu_example_names_its_gpu_memory():
 
 @pytest.mark.parametrize("script", _gpu_examples(), ids=os.path.basename)
 def test_gpu_example_fits_its_gpu(script, tmp_path):
-    from dry_run import estimate
+    from tools.dry_run import estimate
 
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.platform import Platform

@@ -10,8 +10,6 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {root!r})
     import torch.distributed as dist
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.model.gpt_step import forward_step
@@ -32,8 +30,9 @@ SCRIPT = textwrap.dedent("""
 
 def test_repeated_pretrain_does_not_leak_process_groups(tmp_path):
     script = tmp_path / "runs.py"
-    script.write_text(SCRIPT.format(root=ROOT))
+    script.write_text(SCRIPT.format())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = ROOT  # the package and pretrain_gpt.py of this checkout
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--standalone", str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)

@@ -306,7 +306,7 @@ def test_no_grad_forward_keeps_only_kv():
 
 
 def test_longest_fitting_doubles_then_bisects():
-    from fpdt_util import longest_fitting  # bench/fpdt_util.py
+    from bench.fpdt_util import longest_fitting
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""bench/fsdp2_overhead.py on loopback: the trainer with and without --use-torch-fsdp2.
+"""tools/simulator_validation/fsdp2_overhead.py on loopback: the trainer with and without --use-torch-fsdp2.
 
 Two rank processes (gloo, one core and one thread each) train the link testbed's model as
 PP = 1, DP = 2, with FSDP2 and with megatron-core's DDP; FSDP2's fixed cost per unit is
@@ -8,18 +8,12 @@ data, and the numbers come back as the simulator's Fsdp2Overhead. The DDP runs a
 the training loop's own time per iteration, between one iteration and the next.
 """
 
-import os
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 @pytest.mark.timeout(240)
 def test_fsdp2_adds_a_fixed_cost_per_unit():
-    import fsdp2_overhead
+    from tools.simulator_validation import fsdp2_overhead
 
     a = fsdp2_overhead.parse_args(["--seq", "128", "--rounds", "1", "--microbatches", "4", "--iters", "3",
                                    "--timeout", "200"])

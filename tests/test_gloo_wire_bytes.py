@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-import netns
+from tools.simulator_validation import netns
 
 _reason = netns.available()
 pytestmark = pytest.mark.skipif(_reason is not None, reason=f"network namespaces not permitted: {_reason}")

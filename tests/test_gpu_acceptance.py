@@ -12,8 +12,8 @@ import subprocess
 import threading
 import time
 
-import gpu_acceptance  # tools/gpu_acceptance.py
-from acceptance.checks import Group, Host
+from tools import gpu_acceptance
+from tools.acceptance.checks import Group, Host
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = ("1f1b", "interleaved", "weipipe-naive", "weipipe-interleave", "weipipe-zb")
@@ -92,7 +92,7 @@ def test_a_failing_or_hanging_run_is_one_fail_row_and_the_rest_still_run(tmp_pat
     single bug hid the rest of the table. Each run is now isolated: the raising run is one
     FAIL row with its first error line, the hanging one is cut by its timeout and is one
     FAIL row, and the runs after each still PASS."""
-    from acceptance.checks import schedule_parity
+    from tools.acceptance.checks import schedule_parity
 
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(_INJECT)
@@ -201,8 +201,8 @@ def test_groups_run_side_by_side_on_disjoint_gpus(tmp_path):
 def test_parity_rows_arithmetic():
     """Parity within rtol, a failed reference named, bitwise rows need their control and
     at least one delayed copy, the host-sync row lists where runs synchronized."""
-    from acceptance.parity import parity_row, syncs_row
-    from acceptance.parity_runs import Batch, Run
+    from tools.acceptance.parity import parity_row, syncs_row
+    from tools.acceptance.parity_runs import Batch, Run
 
     flags = dict(num_layers=4, hidden_size=64, seq_length=64)
     ref = dict(losses=[1.0, 2.0, 3.0], grad_norms=[1.0, 1.0, 1.0], seconds=1.0, host_syncs=[])
@@ -229,7 +229,7 @@ def test_parity_rows_arithmetic():
 def test_example_runs_take_the_scripts_flags_and_scale_them(tmp_path):
     """The example rows train what examples/*.sh launch, scaled as stated: every flag set
     passes start-up validation for its world; memory and throughput rows judge as stated."""
-    from acceptance import example_runs as ex
+    from tools.acceptance import example_runs as ex
     from megatron_weipipe.arguments import parse_config
 
     full = ex.single_node_flags(8, "weipipe-interleave", str(tmp_path))
@@ -257,7 +257,7 @@ def test_example_runs_take_the_scripts_flags_and_scale_them(tmp_path):
 def test_example_rows_from_their_runs_and_dry_runs(tmp_path, monkeypatch):
     """Each example run's result and its dry run land in its own two rows; on one GPU the
     ring schedules' rows are SKIPPED with the reason, and PP = 1 runs."""
-    from acceptance import example_runs as ex
+    from tools.acceptance import example_runs as ex
 
     batches = []
 
@@ -306,7 +306,7 @@ def test_host_syncs_inside_forward_backward_are_recorded_where_they_happen(monke
 
     import torch
 
-    from acceptance.parity_worker import counting_host_syncs
+    from tools.acceptance.parity_worker import counting_host_syncs
 
     modes = ["default"]
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
@@ -334,7 +334,7 @@ def test_delayed_copies_reach_every_copy_service_of_a_run(monkeypatch):
     get theirs at first use, so a whole run is covered."""
     import torch
 
-    from acceptance.copy_delay import SLEEP_CYCLES, delay, delaying_copies
+    from tools.acceptance.copy_delay import SLEEP_CYCLES, delay, delaying_copies
     from megatron_weipipe.fpdt.host_pool import HostBufferPool
 
     slept = []
@@ -361,7 +361,7 @@ def test_delayed_copies_reach_every_copy_service_of_a_run(monkeypatch):
 
 
 def test_one_raising_check_leaves_the_others_of_its_group():
-    from acceptance.checks import kernels
+    from tools.acceptance.checks import kernels
 
     out = kernels(None, "cpu", ("fpdt-kernel-cpu-fp16", "fpdt-kernel-cpu-fp32"))  # no fp16 row: KeyError
     assert out["fpdt-kernel-cpu-fp16"][0] is False and out["fpdt-kernel-cpu-fp16"][1].startswith("KeyError")
@@ -371,7 +371,7 @@ def test_one_raising_check_leaves_the_others_of_its_group():
 def test_overlap_share_counts_copy_time_under_kernels_of_other_streams():
     from types import SimpleNamespace as NS
 
-    from acceptance.kernels import _overlap_share
+    from tools.acceptance.kernels import _overlap_share
 
     def ev(name, start, end, stream, device="DeviceType.CUDA"):
         return NS(name=name, device_type=device, device_resource_id=stream, time_range=NS(start=start, end=end))

@@ -26,11 +26,10 @@ import torch  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from harness.runs import REPO_ROOT  # noqa: E402
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "tools", "checkpoint"))
-from hf_llama import ConversionError, hf_to_mcore, mcore_to_hf, model_flags, shape_from_hf, vocab_divisor  # noqa: E402,E501
+from tools.checkpoint.hf_llama import ConversionError, hf_to_mcore, mcore_to_hf, model_flags, shape_from_hf, vocab_divisor  # noqa: E402,E501
 
 SEQ, VOCAB = 32, 250
-CONVERT = os.path.join(REPO_ROOT, "tools", "checkpoint", "convert.py")
+CONVERT = ["-m", "tools.checkpoint.convert"]  # run from REPO_ROOT
 ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
 
@@ -72,7 +71,7 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     hf_dir, ckpt, data = str(root / "hf"), str(root / "ckpt"), str(root / "valid")
     _tiny_llama(hf_dir)
-    out = _run([sys.executable, CONVERT, "hf-to-mcore", "--hf-dir", hf_dir, "--save", ckpt,
+    out = _run([sys.executable, *CONVERT, "hf-to-mcore", "--hf-dir", hf_dir, "--save", ckpt,
                 "--tensor-model-parallel-size", "2", "--seq-length", str(SEQ)])
     assert out.returncode == 0, out.stderr[-3000:]
     flags = out.stdout.strip().splitlines()[-1].split(" --tokenizer-type")[0].split()
@@ -119,8 +118,7 @@ def _pretrain_gpt_main(rank, world_size, argv):
 
 
 def _our_logits(rank, world_size, ckpt):
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tools", "checkpoint"))
-    from convert import load_model
+    from tools.checkpoint.convert import load_model
 
     _, _, _, model = load_model(ckpt)
     tokens = _tokens()[None, :-1]
@@ -142,7 +140,7 @@ def test_logits_equal_and_export_round_trip_is_bit_exact(converted, tmp_path):
     assert ours.shape == reference.shape
     assert (ours - reference).abs().max().item() <= 1e-5 * reference.abs().max().item()
     out_dir = str(tmp_path / "exported")
-    out = _run([sys.executable, CONVERT, "mcore-to-hf", "--load", ckpt, "--hf-dir", out_dir])
+    out = _run([sys.executable, *CONVERT, "mcore-to-hf", "--load", ckpt, "--hf-dir", out_dir])
     assert out.returncode == 0, out.stderr[-3000:]
     before, after = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(
         os.path.join(out_dir, "model.safetensors"))
@@ -226,7 +224,7 @@ def test_wrong_layout_is_one_line_naming_the_tensor(converted, tmp_path):
     config = json.load(open(os.path.join(bad, "config.json")))
     config["num_key_value_heads"] = 1  # the k/v projections were saved for 2 KV heads
     json.dump(config, open(os.path.join(bad, "config.json"), "w"))
-    out = _run([sys.executable, CONVERT, "hf-to-mcore", "--hf-dir", bad, "--save", str(tmp_path / "ck")])
+    out = _run([sys.executable, *CONVERT, "hf-to-mcore", "--hf-dir", bad, "--save", str(tmp_path / "ck")])
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: tensor model.layers.0.self_attn.k_proj.weight has shape (32, 64), the config gives (16, 64)"]

@@ -1,4 +1,4 @@
-"""The package's layering, read from its imports (docs/architecture.md draws it).
+"""The package's layering, read from its imports (docs/how-it-works/architecture.md draws it).
 
 Every import counts, at module level or inside a function: a lazy import is still a
 dependency, and a cycle through one is still a cycle.

@@ -1,4 +1,4 @@
-"""Smoke run of bench/link_testbed.py: one preset, one short sequence, two schedules, one round.
+"""Smoke run of the link testbed (python -m tools.simulator_validation.link_testbed): one preset, one short sequence, two schedules, one round.
 
 The real path: two rank processes in their own network namespaces on a tc-shaped link,
 each pinned to a core, training with the trainer's pretrain(). Checked: the JSON rows
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-import netns
+from tools.simulator_validation import netns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _reason = netns.available()
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(_reason is not None, reason=f"network namespaces
 @pytest.mark.timeout(240)
 def test_smoke_one_preset_one_sequence(tmp_path):
     saved = tmp_path / "sweep.json"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "link_testbed.py"), "--presets", "ib-edr", "--seqs", "256",
+    cmd = [sys.executable, "-m", "tools.simulator_validation.link_testbed", "--presets", "ib-edr", "--seqs", "256",
            "--rounds", "1", "--layers", "2", "--hidden", "32", "--heads", "2", "--microbatches", "2",
            "--schedules", "1f1b", "weipipe-interleave", "fsdp", "--json", "--timeout", "200",
            "--save", str(saved), "--calibrate-repeats", "1"]

@@ -3,7 +3,7 @@ flags, and one real (tiny) dry-run row."""
 
 import pytest
 
-import long_context_table as lct
+from tools import long_context_table as lct
 
 
 @pytest.mark.parametrize("limit_fit, start", [(5000, 1024), (5000, 65536), (4096, 4096), (300000, 4096)])
@@ -49,10 +49,10 @@ def test_settings_carry_the_stated_flags():
 def test_one_real_dry_run_row():
     flags, world, att = lct.small_setting("fpdt+offload", 1024)
     r = lct.dry_run(flags, world, att, timeout=600)
-    assert r["world"] == 2 and r["command"].startswith("python tools/dry_run.py ")
+    assert r["world"] == 2 and r["command"].startswith("python -m tools.dry_run ")
     assert r["host_bytes"] > 0  # the layer inputs and FPDT chunks went to the host pools
     # h=256, 4 layers, byte-level vocab padded to 384: parameters bf16 on the accelerator
     assert 0 < r["categories"]["parameters"] < 20e6 < r["peak_accelerator_bytes"] < 2e9
     line, cmd = lct.row_lines("tiny", r, budget=2e9)
-    assert "| yes (largest:" in line and cmd.strip().startswith("`python tools/dry_run.py")
+    assert "| yes (largest:" in line and cmd.strip().startswith("`python -m tools.dry_run")
     assert "| no (largest:" in lct.row_lines("tiny", r, budget=r["peak_accelerator_bytes"] - 1)[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-import check_schedules
+from tools import check_schedules
 from megatron_weipipe.schedules.ir.actions import ScheduleError
 from megatron_weipipe.schedules.generate.megatron_timeline import build
 from megatron_weipipe.schedules.generate.weipipe import generate

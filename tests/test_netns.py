@@ -1,4 +1,4 @@
-"""tools/netns.py: hosts that reach each other by name, a link that can be cut, nothing left behind."""
+"""tools/simulator_validation/netns.py: hosts that reach each other by name, a link that can be cut, nothing left behind."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import netns
+from tools.simulator_validation import netns
 
 _reason = netns.available()
 pytestmark = [pytest.mark.two_nodes, pytest.mark.skipif(_reason is not None, reason=_reason or "")]

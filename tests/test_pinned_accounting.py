@@ -56,7 +56,7 @@ class PinnedRequests(TorchDispatchMode):
 
 def _counted(run):
     """(what ``run`` pinned, the dry run's host bytes, what ``run`` returns)."""
-    from dry_run import Ledger  # tools/dry_run.py's own accounting
+    from tools.dry_run import Ledger  # the dry run's own accounting
 
     ledger, requests = Ledger(), PinnedRequests()
     with residency.observing(ledger.to_host), requests:

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-import schedule_timeline  # tools/
+from tools import schedule_timeline
 
 from megatron_weipipe.schedules.timing.measured import TraceError, between_iterations_s, load, measure
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from slurm_jobs import TRAIN_ITERS, BatchJob, preempt_and_finish, report, skip_reason
-from test_faults_util import losses
+from harness.faults import losses
 
 _reason = skip_reason()
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
@@ -27,7 +27,7 @@ SCRIPTS = ["examples/pretrain_gpt_slurm.sh", "examples/slurm_requeue.sh"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from local_slurm import LocalSlurm
+    from harness.local_slurm import LocalSlurm
 
     import psutil
 

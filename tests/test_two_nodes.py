@@ -1,4 +1,4 @@
-"""Two hosts on one machine (network namespaces, tools/netns.py), one rank on each.
+"""Two hosts on one machine (network namespaces, tools/simulator_validation/netns.py), one rank on each.
 
 The multi-node path of the batch scripts: one ``megatron_weipipe.launch`` per host, c10d
 rendezvous at the first host's name, the store on that host, gloo between the hosts
@@ -21,9 +21,9 @@ import numpy as np
 import psutil
 import pytest
 
-from test_faults_util import PRETRAIN, ROOT, losses, tiny_args
+from harness.faults import PRETRAIN, ROOT, losses, tiny_args
 
-import netns
+from tools.simulator_validation import netns
 from slurm_jobs import BatchJob, preempt_and_finish
 from slurm_jobs import skip_reason as slurm_skip_reason
 
@@ -220,7 +220,7 @@ def test_cut_link_stops_both_hosts_naming_the_lost_rank(testbed):
 def test_slurm_job_across_two_hosts_preempted_requeued_matches_one_host(testbed, tmp_path):
     import functools
 
-    from local_slurm import LocalSlurm, Node
+    from harness.local_slurm import LocalSlurm, Node
 
     nodes = [Node(testbed.names[i], testbed.addr(i), functools.partial(testbed.command, i)) for i in (0, 1)]
     for d in ("cluster", "two", "one"):

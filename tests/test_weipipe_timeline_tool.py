@@ -4,19 +4,20 @@ for each of the five schedules."""
 from __future__ import annotations
 
 import os
-import runpy
 import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-TOOL = os.path.join(ROOT, "tools", "schedule_timeline.py")
+TOOL = ["-m", "tools.schedule_timeline"]  # run from ROOT
 
 
 @pytest.fixture(scope="module")
 def tool():
-    return runpy.run_path(TOOL, run_name="schedule_timeline")
+    from tools import schedule_timeline
+
+    return vars(schedule_timeline)
 
 
 @pytest.mark.parametrize("name,bubble", [
@@ -38,13 +39,13 @@ def test_text_and_png_for_every_schedule(tool, tmp_path, capsys, name, bubble):
 
 
 def test_cli_prints_the_design_note_table_and_rejects_bad_sizes():
-    run = subprocess.run([sys.executable, TOOL, "--schedule", "weipipe-interleave", "-P", "4", "-G", "2"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, *TOOL, "--schedule", "weipipe-interleave", "-P", "4", "-G", "2"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert "| 4 | B0.s3+F1.s0 | F0.s3 | F0.s2 | F0.s1 |" in run.stdout
     assert "ticks 15; idle ticks per rank [3, 3, 3, 3]" in run.stdout
-    bad = subprocess.run([sys.executable, TOOL, "--schedule", "interleaved", "-P", "4", "-G", "1", "-N", "3"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, *TOOL, "--schedule", "interleaved", "-P", "4", "-G", "1", "-N", "3"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2
     assert bad.stderr.strip() == ("schedule_timeline: interleaved 1F1B needs the number of microbatches (3) "
                                   "to be a multiple of P=4")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Check every schedule's messages under gloo's or NCCL's point-to-point rules.
 
-    python tools/check_schedules.py --semantics nccl            # what CI runs
-    python tools/check_schedules.py --semantics nccl --order recv-first   # exits 1
+    python -m tools.check_schedules --semantics nccl            # what CI runs
+    python -m tools.check_schedules --semantics nccl --order recv-first   # exits 1
 
 WeiPipe lists (weipipe-naive, -interleave, -zb; P = 2..8, G = 1..4) are checked as the
 runtime posts them: the steps come from plan.posts.rank_posts, the function
@@ -17,17 +17,14 @@ status is 1; bad arguments exit 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megatron_weipipe.schedules import registry  # noqa: E402
-from megatron_weipipe.schedules.ir.actions import ScheduleError  # noqa: E402
-from megatron_weipipe.schedules.generate.megatron_timeline import build  # noqa: E402
-from megatron_weipipe.schedules.generate.weipipe import generate  # noqa: E402
-from megatron_weipipe.schedules.check.validate import validate  # noqa: E402
-from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, ORDERS  # noqa: E402
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.ir.actions import ScheduleError
+from megatron_weipipe.schedules.generate.megatron_timeline import build
+from megatron_weipipe.schedules.generate.weipipe import generate
+from megatron_weipipe.schedules.check.validate import validate
+from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, ORDERS
 
 # Megatron cases left out, with the reason printed on every run.
 NOT_CHECKED = (

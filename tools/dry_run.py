@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One real training iteration of one rank, without memory or compute: the bytes it needs.
 
-    python tools/dry_run.py <pretrain_gpt.py flags> --world-size N [--rank R] [--json]
+    python -m tools.dry_run <pretrain_gpt.py flags> --world-size N [--rank R] [--json]
 
 Rank R's real program runs once (after one optimizer step that creates Adam's state, so
 the peak is that of every later iteration): its model stage, schedule (WeiPipe runtime, megatron-core
@@ -49,7 +49,6 @@ import weakref
 from dataclasses import replace
 from functools import partial
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 warnings.filterwarnings("ignore")
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers",

@@ -1,21 +1,16 @@
 #!/usr/bin/env python
-"""Print the README's table of pretrain_gpt.py flags, generated from the typed configs.
+"""Print docs/reference/flags.md's table of pretrain_gpt.py flags, generated from the typed configs.
 
-    python tools/flags_table.py
+    python -m tools.flags_table
 
-tests/test_flags.py checks that README.md holds exactly this table, so the flags have one
-home (the config dataclasses) and the README cannot drift from them.
+tests/test_flags.py checks that docs/reference/flags.md holds exactly this table, so the flags have one
+home (the config dataclasses) and the page cannot drift from them.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megatron_weipipe.arguments import SECTIONS  # noqa: E402
-from megatron_weipipe.flags import flag_fields, flag_name  # noqa: E402
+from megatron_weipipe.arguments import SECTIONS
+from megatron_weipipe.flags import flag_fields, flag_name
 
 
 def flags_table() -> str:

@@ -27,11 +27,9 @@ import time
 import traceback
 import warnings
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
 warnings.filterwarnings("ignore")
 
-from acceptance.checks import Group, Host, groups  # noqa: E402
+from tools.acceptance.checks import Group, Host, groups  # noqa: E402 - after the warning filter
 
 
 def probe_host(logdir: str, budget_s: float) -> Host:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian packages the `slurm` and `two_nodes` tests need: SLURM's controller,
 # node daemon and client commands (tests/slurm_cluster.py runs them with a generated
-# configuration), and iproute2 for network namespaces (tools/netns.py).
+# configuration), and iproute2 for network namespaces (tools/simulator_validation/netns.py).
 # Idempotent; does nothing when everything is there. Needs root (or sudo) and apt.
 set -euo pipefail
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Long-context settings counted by the dry run: does each fit, and the longest that does.
 
-    python tools/long_context_table.py headline [--rows 2m 4m] [--sharding dist-opt|fsdp2] [--jobs N]
-    python tools/long_context_table.py single-rank [--start 65536]       # 8B on 1 rank of 80 GB
-    python tools/long_context_table.py small --budget-gb 2 [--jobs N]     # h=256 L=4: longest S per attention
+    python -m tools.long_context_table headline [--rows 2m 4m] [--sharding dist-opt|fsdp2] [--jobs N]
+    python -m tools.long_context_table single-rank [--start 65536]       # 8B on 1 rank of 80 GB
+    python -m tools.long_context_table small --budget-gb 2 [--jobs N]     # h=256 L=4: longest S per attention
 
-Every figure comes from `tools/dry_run.py --json` run as a subprocess (accelerator bytes by
+Every figure comes from `python -m tools.dry_run --json` run as a subprocess (accelerator bytes by
 role, host bytes of the offload pools, sent bytes, and the simulator's estimator beside
 them). "Fits" means the dry run's accelerator peak is at most the budget (80 GB = 80e9 B
 for the headline). Host bytes per node = per rank x ranks per node (8 GPUs per node, a
@@ -25,8 +25,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DRY_RUN = os.path.join(HERE, "dry_run.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
 NODE_RAM = 2e12  # DGX H100: 2 TB of system memory, 8 GPUs
 GPUS_PER_NODE = 8
@@ -54,12 +53,12 @@ def fpdt_flags(s: int, cp: int, chunk: int) -> list[str]:
 
 
 def command(flags: list[str], world: int, attention: str) -> list[str]:
-    return [sys.executable, DRY_RUN, *flags, "--world-size", str(world), "--rank", "0",
+    return [sys.executable, "-m", "tools.dry_run", *flags, "--world-size", str(world), "--rank", "0",
             "--attention", attention, "--json"]
 
 
 def show(cmd: list[str]) -> str:
-    return "python tools/dry_run.py " + shlex.join(cmd[2:])
+    return "python -m tools.dry_run " + shlex.join(cmd[3:])
 
 
 def dry_run(flags: list[str], world: int, attention: str = "flash", timeout: float = 3600) -> dict:
@@ -67,7 +66,7 @@ def dry_run(flags: list[str], world: int, attention: str = "flash", timeout: flo
     cmd = command(flags, world, attention)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     wall = time.time() - t0
     if p.returncode != 0:
         tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]

@@ -19,8 +19,7 @@ from typing import Any, Iterator
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-from megatron_weipipe.platform import quiet_host_notices  # noqa: E402
+from megatron_weipipe.platform import quiet_host_notices  # noqa: E402 - after TOKENIZERS_PARALLELISM
 
 quiet_host_notices()
 

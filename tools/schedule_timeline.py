@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Print (and optionally draw) the timeline of a pipeline schedule.
 
-    python tools/schedule_timeline.py --schedule weipipe-interleave -P 4 -G 2 --png out.png
-    python tools/schedule_timeline.py --from-trace DIR [--json]
+    python -m tools.schedule_timeline --schedule weipipe-interleave -P 4 -G 2 --png out.png
+    python -m tools.schedule_timeline --from-trace DIR [--json]
 
 Schedules: every one of the registry with a plan: 1f1b, interleaved (Megatron; N = G*P
 microbatches unless -N is given, V virtual stages), weipipe-naive, weipipe-interleave,
@@ -28,18 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megatron_weipipe.schedules import registry  # noqa: E402
-from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Kind, ScheduleError  # noqa: E402
-from megatron_weipipe.schedules.timing.closed_forms import idle_ticks  # noqa: E402
-from megatron_weipipe.schedules.timing.tick_simulator import simulate  # noqa: E402
-from megatron_weipipe.schedules.generate.megatron_timeline import build, tick_table  # noqa: E402
-from megatron_weipipe.schedules.check.validate import validate  # noqa: E402
-from megatron_weipipe.schedules.timing import measured as measured_mod  # noqa: E402
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.schedules.ir.actions import COMPUTE_KINDS, Kind, ScheduleError
+from megatron_weipipe.schedules.timing.closed_forms import idle_ticks
+from megatron_weipipe.schedules.timing.tick_simulator import simulate
+from megatron_weipipe.schedules.generate.megatron_timeline import build, tick_table
+from megatron_weipipe.schedules.check.validate import validate
+from megatron_weipipe.schedules.timing import measured as measured_mod
 
 COLORS = {
     Kind.FORWARD: "#4C72B0",

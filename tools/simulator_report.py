@@ -1,22 +1,19 @@
 #!/usr/bin/env python
-"""Regenerate the tables of docs/simulator.md.
+"""Regenerate the tables of docs/results/simulator.md.
 
-    python tools/simulator_report.py cpu --rounds 3 --records /tmp/simulator_cpu.jsonl   # ~1 h, real runs
-    python tools/simulator_report.py cpu-table --records /tmp/simulator_cpu.jsonl        # table again, from
+    python -m tools.simulator_report cpu --rounds 3 --records /tmp/simulator_cpu.jsonl   # ~1 h, real runs
+    python -m tools.simulator_report cpu-table --records /tmp/simulator_cpu.jsonl        # table again, from
                                                                     # the runs' saved calibrations
-    python tools/simulator_report.py weipipe-paper                                       # seconds
-    python tools/simulator_report.py fpdt-paper                                          # seconds
-    python tools/simulator_report.py weipipe-baselines                                   # a minute
+    python -m tools.simulator_report weipipe-paper                                       # seconds
+    python -m tools.simulator_report fpdt-paper                                          # seconds
+    python -m tools.simulator_report weipipe-baselines                                   # a minute
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-sys.path.insert(1, os.path.abspath(os.path.dirname(__file__)))  # tools/simulator_validation
 
 
 def main(argv=None) -> int:
@@ -24,7 +21,7 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     from megatron_weipipe.errors import SimulatorError
-    from simulator_validation import cpu_host, doc_tables
+    from tools.simulator_validation import cpu_host, doc_tables
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)

@@ -1,6 +1,6 @@
 """FPDT: chunked Ulysses attention, offload manager, chunked MLP and chunked loss.
 
-Self-contained building blocks that take explicit process groups; see docs/fpdt.md.
+Self-contained building blocks that take explicit process groups; see docs/how-it-works/fpdt.md.
 Names load on first use, so that the FPDT flags (``fpdt.config``) import no torch.
 """
 

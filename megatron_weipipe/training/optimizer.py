@@ -12,7 +12,7 @@ from megatron_weipipe.config import PretrainConfig
 def optimizer_config(cfg: PretrainConfig) -> OptimizerConfig:
     t = cfg.training
     # Under --use-torch-fsdp2 the (sharded) parameters are fp32 and are the master weights
-    # themselves (docs/fsdp.md): megatron-core's fp32 optimizer, no copy, no loss scale.
+    # themselves (docs/how-it-works/fsdp.md): megatron-core's fp32 optimizer, no copy, no loss scale.
     half = not cfg.parallel.use_torch_fsdp2
     return OptimizerConfig(
         optimizer=t.optimizer,

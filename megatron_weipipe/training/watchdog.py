@@ -19,7 +19,7 @@ store, or rank 0's TCPStore) over its own connection:
 
 A rank that raises publishes first (``report_failure``), so its peers leave within
 one poll interval instead of waiting for a collective timeout. Settings come from
-the environment (see docs/cluster.md): MEGATRON_WEIPIPE_WATCHDOG=0 turns it off,
+the environment (see docs/guide/cluster.md): MEGATRON_WEIPIPE_WATCHDOG=0 turns it off,
 MEGATRON_WEIPIPE_WATCHDOG_INTERVAL (seconds, default 1) and
 MEGATRON_WEIPIPE_HEARTBEAT_TIMEOUT (seconds, default 30).
 """

@@ -1,1 +1,1 @@
-"""Checks of tools/gpu_acceptance.py (see checks.py for the list and what each needs)."""
+"""Checks of ``python -m tools.gpu_acceptance`` (see checks.py for the list and what each needs)."""

@@ -8,8 +8,8 @@ where its needs are met; otherwise each of its rows is SKIPPED with the reason.
 
 ``gpus`` is how many GPUs a group holds while it runs (0: none, "all": every one the host
 has); ``inline`` groups run first, in this process (on GPU 0). The others run side by
-side on disjoint GPUs (tools/gpu_acceptance.py). Sizes and times are stated where each
-group is defined and in docs/gpu_readiness.md.
+side on disjoint GPUs (python -m tools.gpu_acceptance). Sizes and times are stated where each
+group is defined and in docs/reference/gpu-readiness.md.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
-from acceptance import parity_runs
-from acceptance.parity import CPU_ENV, batch_rows, run_batch, stop_tree
+from tools.acceptance import parity_runs
+from tools.acceptance.parity import CPU_ENV, batch_rows, run_batch, stop_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEDULES = parity_runs.SCHEDULES
@@ -124,7 +124,7 @@ def _in_process(fn, *args):
 # ---------------------------------------------------------------- checks
 
 def nccl_ordering(host):
-    rc, sec, log = _subprocess(host, "nccl-ordering", [sys.executable, "tools/check_schedules.py", "--semantics", "nccl"],
+    rc, sec, log = _subprocess(host, "nccl-ordering", [sys.executable, "-m", "tools.check_schedules", "--semantics", "nccl"],
                                120)
     last = open(log).read().strip().splitlines()[-1:] or ["no output"]
     figure = "every schedule deadlock-free under NCCL semantics" if rc == 0 else last[0][:120]
@@ -135,7 +135,7 @@ def kernels(host, device, names):
     """Rows fpdt-kernel-<device>[-<kernel>]-<dtype> and fpdt-chunked-<device>-<dtype>."""
     import torch
 
-    from acceptance.kernels import chunked_check, kernel_check
+    from tools.acceptance.kernels import chunked_check, kernel_check
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -152,7 +152,7 @@ def kernels(host, device, names):
 def layer_parity(host, impl_b, rows):
     """tools/acceptance/layer_parity.py: local vs ``impl_b``, one row per dtype."""
     env = CPU_ENV if impl_b == "local" else {}
-    rc, sec, log = _subprocess(host, rows[0], [sys.executable, "tools/acceptance/layer_parity.py",
+    rc, sec, log = _subprocess(host, rows[0], [sys.executable, "-m", "tools.acceptance.layer_parity",
                                                "--impl-b", impl_b], 300, env)
     results = [json.loads(ln) for ln in open(log) if ln.startswith("{")]
     out = {row: (False, f"no result (rc {rc}; see {log})", sec) for row in rows}
@@ -190,7 +190,7 @@ def _not_four(host):
 def offload_and_rng(host):
     import torch
 
-    from acceptance.kernels import delayed_copy_check, offload_check, rng_replay_check
+    from tools.acceptance.kernels import delayed_copy_check, offload_check, rng_replay_check
 
     return {"fpdt-offload-overlap-cuda-fp32": _guard(offload_check, "cuda", torch.float32),
             "fpdt-offload-overlap-cuda-bf16": _guard(offload_check, "cuda", torch.bfloat16),
@@ -201,7 +201,7 @@ def offload_and_rng(host):
 
 def bench(host):
     # Overhead at S=32K (Llama-3-8B layer) and the longest-S search capped at 256K: ~2-3 min.
-    cmd = [sys.executable, "bench/fpdt_gpu.py", "--rounds", "3", "--max-seq", "262144", "--bisect-steps", "1"]
+    cmd = [sys.executable, "-m", "bench.fpdt_gpu", "--rounds", "3", "--max-seq", "262144", "--bisect-steps", "1"]
     rc, sec, log = _subprocess(host, "fpdt-gpu-bench", cmd, 300)
     kern = [ln for ln in open(log) if ln.startswith("kernel ")]
     figure = (kern[-1].strip() if kern else "tables in the log") + f"; log {log}"
@@ -219,7 +219,7 @@ def _cuda_kernel_rows() -> tuple:
 
 
 def groups() -> list[Group]:
-    from acceptance import example_runs
+    from tools.acceptance import example_runs
 
     kc = ("fpdt-kernel-cpu-fp32", "fpdt-kernel-cpu-bf16", "fpdt-chunked-cpu-fp32", "fpdt-chunked-cpu-bf16")
     kg = ("fpdt-kernel-cuda-bf16", *_cuda_kernel_rows(), "fpdt-chunked-cuda-fp32", "fpdt-chunked-cuda-bf16")

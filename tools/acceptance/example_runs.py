@@ -16,7 +16,7 @@ then scaled to the N GPUs of this host, and each change is stated in the row:
 Both train Llama-3's vocabulary (128256, mock data: no corpus) for 3 iterations with
 megatron-core's local layers (what the dry run builds). The memory row compares rank 0's
 peak allocated device memory (``torch.cuda.max_memory_allocated`` less what was allocated
-before the run) with ``tools/dry_run.py --json --platform cuda`` for the same flags and
+before the run) with ``python -m tools.dry_run --json --platform cuda`` for the same flags and
 rank (run beside the training, on the CPU); the throughput row is
 the last iteration's tokens/s and TFLOP/s/GPU from the training loop's own log stats
 (``on_log``), as MFU of the GPU's dense bf16 peak (simulator/hardware.py's presets).
@@ -31,11 +31,12 @@ import shlex
 import subprocess
 import sys
 
-from acceptance import parity_runs
-from acceptance.parity import CPU_ENV, run_batch
+from megatron_weipipe.schedules import registry
+from tools.acceptance import parity_runs
+from tools.acceptance.parity import CPU_ENV, run_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCHEDULES = ("none", *parity_runs.SCHEDULES)
+SCHEDULES = registry.names()
 MEMORY_TOL = 0.15  # measured / dry run within 1 +- this
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # as the example scripts export
 MIN_MFU = 0.05  # a floor, not a target: a run 10x slower than it should be fails
@@ -101,11 +102,11 @@ def slurm_model_flags() -> list:
 
 def single_node_run(gpus: int, schedule: str, logdir: str) -> tuple[list, str]:
     """(flags, what was scaled) of gpu_single_node at ``schedule`` on ``gpus`` GPUs."""
-    if schedule == "none":
-        flags = edit(single_node_flags(1, "none", logdir), DROP, global_batch_size=4 * gpus)
+    if not registry.entry(schedule).pipelined:
+        flags = edit(single_node_flags(1, schedule, logdir), DROP, global_batch_size=4 * gpus)
         return flags + MEASURE, f"PP 1 x DP {gpus}, 16 layers, global batch {4 * gpus}"
-    base = single_node_flags(gpus, "interleaved" if schedule == "interleaved" else schedule, logdir)
-    extra = {"num_layers_per_virtual_pipeline_stage": 1} if schedule == "interleaved" else {}
+    base = single_node_flags(gpus, schedule, logdir)
+    extra = {"num_layers_per_virtual_pipeline_stage": 1} if registry.entry(schedule).virtual_stages else {}
     flags = edit(base, DROP, num_layers=2 * gpus, **extra)
     return flags + MEASURE, f"P {gpus}, {2 * gpus} layers (2 per rank), global batch {4 * gpus}"
 
@@ -124,8 +125,8 @@ def slurm_run(gpus: int) -> tuple[list, str, int]:
 
 
 def _dry_run(host, name: str, flags: list, world: int) -> subprocess.Popen:
-    """tools/dry_run.py for rank 0, on the CPU at low priority, beside the GPU runs."""
-    cmd = ["nice", "-n", "10", sys.executable, "tools/dry_run.py", *flags, "--world-size", str(world), "--json",
+    """python -m tools.dry_run for rank 0, on the CPU at low priority, beside the GPU runs."""
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "tools.dry_run", *flags, "--world-size", str(world), "--json",
            "--platform", "cuda"]  # what a CUDA host builds (its attention, its fusions' decisions)
     out = open(os.path.join(host.logdir, f"dry-run-{name}.json"), "w")
     err = open(os.path.join(host.logdir, f"dry-run-{name}.log"), "w")
@@ -172,7 +173,7 @@ def run(host) -> dict:
     n = host.gpus
     plans = {}  # name -> (flags, scaled, world, memory row, throughput row)
     for s in SCHEDULES:
-        if s != "none" and n < 2:
+        if registry.entry(s).pipelined and n < 2:
             continue
         flags, scaled = single_node_run(n, s, host.logdir)
         plans[f"gpu_single_node-{s}"] = (flags, scaled, n, f"memory-gpu_single_node-{s}",

@@ -26,7 +26,7 @@ from megatron_weipipe.fpdt import FPDTConfig, HostBufferPool, fpdt_attention
 from megatron_weipipe.fpdt.config import AttentionSpec
 from megatron_weipipe.fpdt.kernels import select_kernel, self_check
 
-# Largest |error| / max|reference| accepted (measured here: see docs/gpu_readiness.md).
+# Largest |error| / max|reference| accepted (measured here: see docs/results/gpu-acceptance.md).
 KERNEL_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # absolute, unit-variance inputs
 CHUNKED_TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 # Smallest share of the host<->device copy time that must run while a compute kernel runs.
@@ -159,7 +159,7 @@ def delayed_copy_check(device: str, dtype: torch.dtype, S: int = 16384, chunks: 
                        heads: int = 8, groups: int = 8):
     """Offload with each copy delayed ~1 ms on its side stream vs no offload: bitwise equal
     (deterministic algorithms; the no-offload run twice is the control)."""
-    from acceptance.copy_delay import delay
+    from tools.acceptance.copy_delay import delay
     from megatron_weipipe.fpdt.copy_streams import for_device
 
     device = torch.device(device)

@@ -1,7 +1,7 @@
 """One model under two layer implementations, same weights: logits, loss and gradients agree.
 
-    python tools/acceptance/layer_parity.py --impl-b transformer_engine   # a GPU host with TE
-    python tools/acceptance/layer_parity.py --impl-b local                # the harness itself (CPU)
+    python -m tools.acceptance.layer_parity --impl-b transformer_engine   # a GPU host with TE
+    python -m tools.acceptance.layer_parity --impl-b local                # the harness itself (CPU)
 
 Model A (megatron-core's local layers) is built with one seed, model B with another; every
 parameter of B is then copied from A (TE fuses the norms into the next linear layer:
@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import time
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
 
 FLAGS = ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --micro-batch-size 2 "

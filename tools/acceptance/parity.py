@@ -16,10 +16,10 @@ import subprocess
 import sys
 import time
 
-from acceptance.parity_runs import Batch, Run
+from tools.acceptance.parity_runs import Batch, Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join("tools", "acceptance", "parity_worker.py")
+WORKER = "tools.acceptance.parity_worker"  # a module: torchrun -m, from ROOT
 CPU_ENV = {"MEGATRON_WEIPIPE_FORCE_CPU": "1"}
 START_TIMEOUT_S = 240.0  # launch to the first run's start line (imports, process start-up)
 RUN_TIMEOUT_ENV = "GPU_ACCEPTANCE_RUN_TIMEOUT_S"  # caps every run's timeout (tests use a short one)
@@ -80,7 +80,7 @@ def _first_error(records: list) -> str:
 
 def _launch(host, batch: Batch, spec: str, out: str, names: list, log: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(batch.world),
-           WORKER, "--spec", spec, "--out", out, *names]
+           "-m", WORKER, "--spec", spec, "--out", out, *names]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", **(CPU_ENV if batch.backend == "gloo" else {}), **batch.env,
            **host.device_env()}
     f = open(log, "a")

@@ -25,8 +25,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from megatron_weipipe.schedules import registry
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCHEDULES = ("1f1b", "interleaved", "weipipe-naive", "weipipe-interleave", "weipipe-zb")
+SCHEDULES = registry.pipeline_names()
 # Losses and gradient norms of 3 iterations, relative to the reference.
 RTOL = {"gloo": 1e-5, "nccl": 1e-4, "te": 1e-3, "bf16": 1e-2}
 # The NCCL parity batches: sends larger than NCCL's buffer block until received, a
@@ -118,7 +120,7 @@ def backend_flags(backend: str) -> dict:
 
 
 def schedule_flags(schedule: str, P: int) -> dict:
-    if schedule == "interleaved":
+    if registry.entry(schedule).virtual_stages:  # Megatron's default schedule for virtual stages
         return dict(pipeline_model_parallel_size=P, num_layers_per_virtual_pipeline_stage=1)
     return dict(pipeline_model_parallel_size=P, pipeline_schedule=schedule)
 

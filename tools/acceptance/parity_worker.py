@@ -1,6 +1,6 @@
 """Runs of one parity batch, one after another in one torchrun: what each trained and measured.
 
-    torchrun --standalone --nproc-per-node 2 tools/acceptance/parity_worker.py \
+    torchrun --standalone --nproc-per-node 2 -m tools.acceptance.parity_worker \
         --spec batch.json --out runs.jsonl NAME ...
 
 ``--spec`` holds the batch's runs (tools/acceptance/parity_runs.py: name, pretrain flags,
@@ -38,7 +38,6 @@ import traceback
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 warnings.filterwarnings("ignore")
 
 
@@ -98,7 +97,7 @@ def run(spec: dict) -> dict:
     import torch
 
     import pretrain_gpt
-    from acceptance.copy_delay import delaying_copies
+    from tools.acceptance.copy_delay import delaying_copies
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.initialize import destroy_model_parallel_groups
     from megatron_weipipe.model.gpt_step import forward_step

@@ -2,7 +2,7 @@
 
 For every round and (ranks, sequence length) block: calibrate, run a schedule,
 calibrate, run the next schedule, ..., calibrate (schedule order rotated per round).
-A calibration is `tools/simulate.py --calibrate --calibrate-ranks P --measure-host`: P
+A calibration is `python -m tools.simulate --calibrate --calibrate-ranks P --measure-host`: P
 processes time the real megatron-core layers of the shape at once, as the P ranks will
 compute at once, so the wall times carry the contention between them and with whatever
 else this shared host runs. Each run is predicted from the calibrations just before and
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from megatron_weipipe.shape import ModelShape
 
-from .probe_run import REPO
-from .realruns import real_run
+from tools.simulator_validation.probe_run import REPO
+from tools.simulator_validation.realruns import real_run
 
 SCHEDULES = ("1f1b", "weipipe-naive", "weipipe-interleave", "weipipe-zb")
 
@@ -61,7 +61,7 @@ def simulate_flags(shape: ModelShape, ranks: int, global_batch: int, schedules) 
 def _simulate(flags: list[str]) -> tuple[dict, str]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "pred.json")
-        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "simulate.py"), *flags, "--json", out],
+        proc = subprocess.run([sys.executable, "-m", "tools.simulate", *flags, "--json", out],
                               cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                               timeout=3600)
         if proc.returncode != 0:

@@ -1,6 +1,6 @@
-"""Tables for docs/simulator.md: CPU-host validation, WeiPipe's and FPDT's settings.
+"""Tables for docs/results/simulator.md: CPU-host validation, WeiPipe's and FPDT's settings.
 
-Every projected row comes with the `tools/simulate.py` command that prints it.
+Every projected row comes with the `python -m tools.simulate` command that prints it.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from megatron_weipipe.schedules import registry
 from megatron_weipipe.simulator.cli import costs_for, parse_command
 from megatron_weipipe.simulator.project import simulate_run
 
@@ -97,7 +98,7 @@ def weipipe_table(gpus=(8, 16, 32)) -> str:
                     f"{(gain - WEIPIPE_PAPER[cluster]) * 100:+.0f} pp | "
                     f"{one.peak_memory / 2**30:.0f} / {inter.peak_memory / 2**30:.0f} GiB |")
                 if n == gpus[-1] and v is WEIPIPE_VARIANTS[0]:
-                    commands += [f"python tools/simulate.py {c}" for c in (mega, wei, zbc)]
+                    commands += [f"python -m tools.simulate {c}" for c in (mega, wei, zbc)]
     note = ("Commands of the 32-GPU rows of the first variant; the other rows change "
             "--pipeline-model-parallel-size N --global-batch-size 4N, drop --recompute-granularity full --recompute-method uniform "
             "(second variant) and add --vocab-size 512 (third).")
@@ -145,7 +146,7 @@ def fpdt_table() -> str:
         lines.append(
             f"| {name} | {fp.chunks} | {r.peak_memory / 2**30:.1f} GiB | {'yes' if fits else 'NO'} | "
             f"{per_node / 2**30:.0f} GiB | {hidden} | {r.iteration_s:.0f} s | {r.mfu:.1%} | {claim} |")
-        commands.append(f"python tools/simulate.py {cmd}")
+        commands.append(f"python -m tools.simulate {cmd}")
     return "\n".join(lines + ["", "Commands:", ""] + [f"    {c}" for c in commands])
 
 
@@ -189,12 +190,12 @@ def baselines_table(gpus=(8, 16, 32)) -> str:
                     cmd = f"{base} --schedules {name} {flags}".strip()
                     (r,), _ = run_command(cmd)
                     cells.append(f"{r.iteration_s / wei.iteration_s - 1:+.0%}")
-                    if name != "floor":
+                    if registry.simulated(name).projection != registry.FLOOR:  # no schedule reaches the floor
                         times[label] = r.iteration_s
                     if shown:
-                        commands.append(f"python tools/simulate.py {cmd}")
+                        commands.append(f"python -m tools.simulate {cmd}")
                 if shown:
-                    commands.append(f"python tools/simulate.py {wcmd}")
+                    commands.append(f"python -m tools.simulate {wcmd}")
                 best = min(times, key=times.get)
                 lines.append(f"| {cluster} | {n} | {setting} | {wei.iteration_s:.2f} s | " + " | ".join(cells)
                              + f" | {times[best] / wei.iteration_s - 1:+.0%} ({best}) | {WEIPIPE_PAPER[cluster]:+.1%} |")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""The simulator's memory estimator and byte model against tools/dry_run.py, per category.
+"""The simulator's memory estimator and byte model against python -m tools.dry_run, per category.
 
-    python tools/simulator_validation/dry_run_vs_estimator.py [--scale small,medium] \
+    python -m tools.simulator_validation.dry_run_vs_estimator [--scale small,medium] \
         [--schedule none,1f1b,...] [--fpdt off,ulysses,fpdt,offload] [--json]
 
 Each case runs the dry run (one real iteration of one rank under fake tensors) in its own
@@ -21,11 +21,14 @@ import subprocess
 import sys
 import time
 
+from megatron_weipipe.config import ATTENTION_BACKENDS
+from megatron_weipipe.schedules import registry
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers",
               "fpdt_chunk_state", "host", "sent", "peak")
 AT_PEAK = ("parameters", "gradients", "optimizer_state")
-SCHEDULES = ("none", "1f1b", "interleaved", "weipipe-naive", "weipipe-interleave", "weipipe-zb")
+SCHEDULES = registry.names()
 FPDT_MODES = ("off", "ulysses", "fpdt", "offload")
 
 COMMON = ("--tokenizer-type NullTokenizer --mock-data --lr 1e-4 --train-iters 1 --bf16 --hidden-dropout 0 "
@@ -48,13 +51,14 @@ def case_flags(scale: str, schedule: str, fpdt: str) -> tuple[list[str], int, in
     model, seq, mbs = SCALES[scale]
     flags = COMMON + model.split() + ["--seq-length", str(seq), "--max-position-embeddings", str(seq),
                                       "--micro-batch-size", str(mbs)]
-    pp = 1 if schedule == "none" else 2
+    pipelined = registry.entry(schedule).pipelined
+    pp = 2 if pipelined else 1
     cp = 1 if fpdt == "off" else 2
-    micro = 1 if schedule == "none" else 4
+    micro = 4 if pipelined else 1
     flags += ["--global-batch-size", str(mbs * micro)]
     if pp > 1:
         flags += ["--pipeline-model-parallel-size", str(pp), "--pipeline-schedule", schedule]
-        if schedule == "interleaved":
+        if registry.entry(schedule).virtual_stages:
             flags += ["--num-layers-per-virtual-pipeline-stage", str(int(model.split()[1]) // 4)]
     if cp > 1:
         flags += ["--context-parallel-size", str(cp)]
@@ -88,7 +92,7 @@ def error(got: int, want: int) -> float:
 
 def run_case(flags: list[str], world: int, rank: int, timeout: int = 1200) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "dry_run.py"), *flags, "--world-size", str(world),
+    cmd = [sys.executable, "-m", "tools.dry_run", *flags, "--world-size", str(world),
            "--rank", str(rank), "--json"]
     started = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
@@ -110,7 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fpdt", default=",".join(FPDT_MODES))
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--attention-backend", default="auto", choices=("auto", "flash", "fused", "unfused", "local"),
+    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                     help="the model's core attention (auto: torch's fused kernel on this host; unfused: s x s)")
     a = ap.parse_args(argv)
     cases, worst = [], 0.0

@@ -3,7 +3,7 @@ and flags, plus one JSON line per rank and logged iteration with the byte counte
 counts (the log line itself rounds them to 0.1 of a unit) and the process's CPU time,
 appended to $SIMPROBE_DIR/rank<r>.jsonl (through pretrain()'s ``on_log`` hook).
 
-    SIMPROBE_DIR=/tmp/probe torchrun --nproc-per-node 2 tools/simulator_validation/probe_run.py \
+    SIMPROBE_DIR=/tmp/probe torchrun --nproc-per-node 2 -m tools.simulator_validation.probe_run \
         <pretrain_gpt.py flags>
 """
 
@@ -33,7 +33,6 @@ def record(stats: dict) -> None:
 def main(argv=None) -> int:
     """What `pretrain_gpt.py` runs (cli.run_main: parse, train, shut down), with the hook;
     a failure raises, and torchrun reports it."""
-    sys.path.insert(0, REPO)
     import pretrain_gpt  # its model provider and warning filters
 
     from megatron_weipipe.arguments import parse_config

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron_weipipe.shape import ModelShape
 
-from .probe_run import ENV, REPO
+from tools.simulator_validation.probe_run import ENV, REPO
 
 _ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+).*?"
                       r"(?:sent/rank/iter: (.*?) \|)?\s*$")
@@ -50,7 +50,7 @@ def pretrain_flags(shape: ModelShape, ranks: int, schedule: str, global_batch_si
 
 def launch(ranks: int, flags: list[str], probe_dir: str, *, timeout: float = 900.0) -> tuple[str, float, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_run.py"), *flags]
+           "-m", "tools.simulator_validation.probe_run", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env[ENV] = probe_dir
     t0 = time.perf_counter()

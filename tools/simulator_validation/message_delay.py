@@ -1,9 +1,9 @@
 """What a gloo message waits on this host beyond its bytes: the link testbed's per-message latency.
 
-    python bench/message_delay.py [--sizes 16384 65536 262144] [--compute-ms 2 5 10] [--reps 20] [--loopback]
+    python -m tools.simulator_validation.message_delay [--sizes 16384 65536 262144] [--compute-ms 2 5 10] [--reps 20] [--loopback]
 
 Two ranks, each pinned to its own core with one thread as the testbed's ranks are, over
-an unshaped veth pair without delayed ACKs, as the testbed's (tools/netns.py; --loopback:
+an unshaped veth pair without delayed ACKs, as the testbed's (netns.py; --loopback:
 127.0.0.1). Rank 0 posts a message
 (isend) and computes for a while before it waits, as the WeiPipe runtime posts its sends
 ahead of the next action; rank 1 waits for it and notes when it arrived. The delay is
@@ -12,7 +12,7 @@ own rate (measured here with one large message). On this host the delays are bim
 most messages arrive within 0.1 ms, and many after 2 to 4 ms (a scheduler tick: gloo's
 I/O thread shares its core with the compute, and the waiting receiver's core may sleep).
 The mean over sizes and compute spans is the fixed cost per message that
-tools/simulator_validation/testbed_compare.py adds to the emulated link of the
+testbed_compare.py adds to the emulated link of the
 point-to-point rows. A microbenchmark of its own: no testbed row is read.
 """
 
@@ -26,9 +26,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 _RANK = textwrap.dedent("""
     import json, os, sys, time, torch, torch.distributed as dist
@@ -79,7 +76,7 @@ _RANK = textwrap.dedent("""
 
 def measure(sizes, spans, reps: int, loopback: bool = False, timeout: float = 300) -> dict:
     """{"rate": link bytes/s, "delays": {"SIZE MS": [seconds, ...]}} from one pair of ranks."""
-    import netns
+    from tools.simulator_validation import netns
 
     cores = sorted(os.sched_getaffinity(0))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -135,7 +132,7 @@ def main(argv=None) -> int:
         print("error: --reps >= 1, --sizes >= 4 bytes, --compute-ms >= 0", file=sys.stderr)
         return 2
     if not a.loopback:
-        import netns
+        from tools.simulator_validation import netns
 
         reason = netns.available()
         if reason:
@@ -145,7 +142,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps({"rate": res["rate"], "mean_s": mean_delay(res), "delays": res["delays"]}))
         return 0
-    print(f"# command: python bench/message_delay.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"# command: python -m tools.simulator_validation.message_delay {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"# 2 ranks {'on loopback' if a.loopback else 'over an unshaped veth pair'}, 1 core and 1 thread each; "
           f"link rate {res['rate'] / 1e6:.0f} MB/s (16 MiB message); {a.reps} messages per row")
     print("| bytes | sender computes | mean | median | 90th percentile | max |")

@@ -12,9 +12,9 @@ Times are CPU seconds (process time), medians of repeats after a warm-up, single
 threaded (torchrun starts each rank with OMP_NUM_THREADS=1): on a shared host they do
 not depend on what else runs. What else runs is recorded as `cpu_share`, the CPU time
 the calibrating process got per wall second; the replay turns it into background load
-(see events.py). `gloo_link` times gloo send/recv between two processes (TCP on one
+(see cluster_replay.py). `gloo_link` times gloo send/recv between two processes (TCP on one
 host) and the CPU time they spend per byte, which competes with compute on a host with
-few cores. tools/simulate.py hands this module to the simulator for --calibrate and
+few cores. `python -m tools.simulate` hands this module to the simulator for --calibrate and
 --measure-host; the simulator itself only reads calibrations
 (megatron_weipipe/simulator/calibration.py).
 """
@@ -31,11 +31,13 @@ import textwrap
 import time
 from dataclasses import asdict, replace
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+from megatron_weipipe.shape import ModelShape
+from megatron_weipipe.simulator.calibration import HostCalibration, calibration_fields, load, save
+from megatron_weipipe.simulator.hardware import LinkSpec
 
-from megatron_weipipe.shape import ModelShape  # noqa: E402
-from megatron_weipipe.simulator.calibration import HostCalibration, calibration_fields, load, save  # noqa: E402
-from megatron_weipipe.simulator.hardware import LinkSpec  # noqa: E402
+# calibrate_concurrently's workers run this module (its __main__), from the folder that holds the package
+_WORKER = "megatron_weipipe.training.host_calibration"
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pretrain_config_for(shape: ModelShape, num_layers: int, world_size: int = 1):
@@ -313,8 +315,8 @@ def calibrate_concurrently(shape: ModelShape, layers_per_chunk: int, ranks: int,
             env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(20000 + (os.getpid() * 7 + i) % 20000))
             out = os.path.join(d, f"cal{i}.json")
-            procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), spec,
-                                            str(layers_per_chunk), str(repeats), out], env=env,
+            procs.append((subprocess.Popen([sys.executable, "-m", _WORKER, spec,
+                                            str(layers_per_chunk), str(repeats), out], env=env, cwd=_PACKAGE_PARENT,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out))
         cals = []
         for p, out in procs:

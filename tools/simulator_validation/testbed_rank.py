@@ -1,6 +1,7 @@
-"""One rank of bench/link_testbed.py: the trainer's own pretrain(), run once per job.
+"""One rank of link_testbed.py: the trainer's own pretrain(), run once per job.
 
-    python bench/_testbed_rank.py JOBS.json OUT.json      (RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
+    python -m tools.simulator_validation.testbed_rank JOBS.json OUT.json   (RANK, WORLD_SIZE, MASTER_ADDR/PORT set;
+                                                                          the repository root on PYTHONPATH)
 
 JOBS.json is a list of {"key": ..., "argv": [...]}: pretrain_gpt.py command lines, run in
 order in this one process (the import and process-group start-up are paid once; each job
@@ -9,7 +10,7 @@ records every logged iteration's wall time, this process's CPU seconds (the work
 else shares the core) and bytes sent by kind (pretrain's on_log, the
 numbers of the `sent/rank/iter` log line). A job with "calibrate" instead of "argv" times
 the layers of that shape here, on this rank's core, in the minute before the runs it
-precedes (tools/host_calibration.py; every rank times on its own, nothing is sent), so
+precedes (megatron_weipipe/training/host_calibration.py; every rank times on its own, nothing is sent), so
 that a prediction is calibrated where and when the rows are measured. OUT.json is
 rewritten after every job.
 """
@@ -20,9 +21,6 @@ import sys
 import time
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # this checkout's package and pretrain_gpt.py
-sys.path.insert(1, os.path.join(ROOT, "tools"))  # host_calibration
 warnings.filterwarnings("ignore")
 
 
@@ -72,8 +70,8 @@ def calibrate(spec: dict) -> dict:
     a 1F1B stage's layers, as testbed_compare.py calibrates them, without the optimizer."""
     import torch.distributed as dist
 
-    import host_calibration
     from megatron_weipipe.simulator.testbed import TestbedShape
+    from megatron_weipipe.training import host_calibration
 
     if not dist.is_initialized():  # the first job: the group pretrain() would start (env://)
         dist.init_process_group("gloo")

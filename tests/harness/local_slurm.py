@@ -3,7 +3,7 @@
 Everything lives in one temporary directory (configuration, state, spool, logs), the
 daemons listen on ports of their own, and authentication is off (``auth/none``), so it
 touches nothing of a real installation. Nodes are either this host (``127.0.0.1``) or
-hosts of a ``tools/netns.py`` testbed (``Node(wrap=testbed.command-for-that-host)``: one
+hosts of a ``tools/simulator_validation/netns.py`` testbed (``Node(wrap=testbed.command-for-that-host)``: one
 slurmd inside each, the controller and client commands inside the first). Each daemon runs under a small supervisor process (this file with
 ``--supervise``) that adopts everything the daemon forks (slurmstepd, the job's
 processes), so that stopping the cluster kills exactly what it started, by PID.
@@ -48,7 +48,7 @@ def _free_port() -> int:
 class Node:
     name: str
     addr: str = "127.0.0.1"
-    wrap: Optional[Callable[[list], list]] = None  # argv -> argv run on this host (tools/netns.py)
+    wrap: Optional[Callable[[list], list]] = None  # argv -> argv run on this host (tools/simulator_validation/netns.py)
 
 
 class LocalSlurm:

@@ -1,18 +1,18 @@
 """FSDP2's fixed cost per unit and pass on this host: the testbed's FSDP row against plain DDP;
 and the training loop's own cost per iteration.
 
-    python bench/fsdp2_overhead.py [--seq 512] [--rounds 2] [--layers 2 --hidden 32 --heads 2]
+    python -m tools.simulator_validation.fsdp2_overhead [--seq 512] [--rounds 2] [--layers 2 --hidden 32 --heads 2]
 
 Two ranks on loopback (no namespaces, no shaping), each pinned to its own core with one
-thread, run the link testbed's model (bench/link_testbed.py's command line) as PP = 1,
+thread, run the link testbed's model (link_testbed.py's command line) as PP = 1,
 DP = 2 twice per round: with ``--use-torch-fsdp2`` and with megatron-core's DDP, in one
-pair of processes (bench/_testbed_rank.py), alternating. The same model, data and seed
+pair of processes (testbed_rank.py), alternating. The same model, data and seed
 compute the same FLOPs in both; what FSDP2 adds to a microbatch's forward and backward
 (the per-action timestamps of ``--schedule-trace``) is its fixed cost: the units' hooks,
 the DTensor bookkeeping, the copies in and out of the gathered buffers, and each
 collective's own cost over gloo (its bytes take microseconds on loopback at this size).
 Divided by the units (embedding, each layer, the root), it is the per-unit cost that
-tools/simulator_validation/testbed_compare.py adds to its FSDP rows (each round's too:
+testbed_compare.py adds to its FSDP rows (each round's too:
 the spread of its predictions); the link's time for the collectives' bytes is the
 simulator's own. The DDP runs also give the training loop's
 own time per iteration, which every schedule pays: from one iteration's end to the next
@@ -35,27 +35,22 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DDP_ARGV = ["--pipeline-model-parallel-size", "1"]
 
 
 def units(layers: int) -> int:
-    """FSDP units of the trainer's model: the embedding, each layer, the root (bench/link_testbed.py's
+    """FSDP units of the trainer's model: the embedding, each layer, the root (link_testbed.py's
     model is untied: the root holds the final norm and the output layer)."""
     return layers + 2
 
 
 def measure(a) -> dict:
     """Per round, the mean forward and backward seconds of one microbatch under FSDP2 and DDP."""
-    from link_testbed import model_argv, schedule_argv
-
-    import netns
-
     from megatron_weipipe.schedules.timing import measured
+    from tools.simulator_validation import netns
+    from tools.simulator_validation.link_testbed import model_argv, schedule_argv
 
     with tempfile.TemporaryDirectory(prefix="fsdp2_overhead") as work:
         jobs = []
@@ -80,7 +75,7 @@ def measure(a) -> dict:
                        PYTHONWARNINGS="ignore", TESTBED_CORE=str(cores[i % len(cores)]),
                        MEGATRON_WEIPIPE_WATCHDOG="0", **({"GLOO_SOCKET_IFNAME": "eth0"} if tb else {}))
             log = open(os.path.join(work, f"rank{i}.log"), "w")
-            argv = [sys.executable, os.path.join(ROOT, "bench", "_testbed_rank.py"), jobs_path,
+            argv = [sys.executable, "-m", "tools.simulator_validation.testbed_rank", jobs_path,
                     os.path.join(work, f"rank{i}.json")]
             p = tb.popen(i, argv, env=env, stdout=log, stderr=subprocess.STDOUT) if tb else \
                 subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -176,7 +171,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(res, indent=1))
         return 0
-    print(f"# command: python bench/fsdp2_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"# command: python -m tools.simulator_validation.fsdp2_overhead {' '.join(sys.argv[1:] if argv is None else argv)}")
     where = "over a veth pair" if a.netns else "on loopback"
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}; wall {time.time() - t0:.0f}s; 2 ranks {where}, 1 core and 1 "
           f"thread each; layers={a.layers} hidden={a.hidden} heads={a.heads} seq={a.seq}; {res['units']} FSDP units")

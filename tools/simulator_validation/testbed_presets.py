@@ -1,4 +1,4 @@
-"""The link presets of bench/link_testbed.py and the host's matmul rate they are scaled by.
+"""The link presets of link_testbed.py and the host's matmul rate they are scaled by.
 
 Per GPU and direction (the bandwidth one pipeline neighbour can use), and one-way latency:
 

@@ -1,6 +1,6 @@
 """Schedules side by side over an emulated link: 1F1B, interleaved, WeiPipe, FSDP; real trainer runs.
 
-Two ranks, each in its own network namespace (tools/netns.py: veth pair through a bridge,
+Two ranks, each in its own network namespace (netns.py: veth pair through a bridge,
 addresses 10.213.<net>.1/.2), each pinned to its own core (taskset) with one thread, the
 link shaped by tc (netem: rate and one-way latency), TCP without delayed ACKs (the
 routes' quickack: a 40 ms delayed-ACK stall is TCP's, not the cluster link's). A preset
@@ -12,7 +12,7 @@ measured single-core matmul FLOP/s and g = the GPU's effective FLOP/s (peak x EF
 so a step that takes the GPU t seconds of compute and the link b/B seconds takes this host
 t x g/h and b/B x g/h: the ratio of compute to communication is the cluster's.
 
-Each preset is one pair of rank processes (bench/_testbed_rank.py) that runs the trainer's
+Each preset is one pair of rank processes (testbed_rank.py) that runs the trainer's
 pretrain() (what pretrain_gpt.py runs) once per (sequence, round, schedule): the same
 model, data (mock) and seed for every schedule, the schedules' order rotating each round so
 they interleave in time. Sequences run in increasing order: rounds that visited every
@@ -23,9 +23,9 @@ those of one 16K-token iteration (16 at 1K, 1 from 16K on; --iters fixes the cou
 short sequence's row is a median over as much work as a long one's rather than over one
 iteration of tens of milliseconds.
 Before each sequence's runs both ranks time the model's layers at that sequence on their
-own cores (tools/host_calibration.py, in the rank processes, repeated for at least
+own cores (megatron_weipipe/training/host_calibration.py, in the rank processes, repeated for at least
 --calibrate-seconds; --calibrate-repeats 0 skips it): the --save file keeps these in-run
-calibrations for tools/simulator_validation/testbed_compare.py, since this host's speed
+calibrations for testbed_compare.py, since this host's speed
 drifts by 10% and more between minutes.
 Reported per row: tokens/s (median over rounds, [min, max]); the ratio to 1F1B (median of
 the per-round ratios, [min, max]); bytes each rank sends per iteration (the trainer's byte
@@ -34,9 +34,9 @@ counter, the `sent/rank/iter` numbers); per rank, the seconds per iteration not 
 waiting on communication, bubble included) and computing; and each rank's CPU seconds
 per iteration (process time: the work, whatever else shares the core).
 
-  python bench/link_testbed.py                                  # the whole sweep (docs/link_testbed.md)
-  python bench/link_testbed.py --presets ib-edr --seqs 4096 8192 16384 --rounds 3
-  python bench/link_testbed.py --presets ib-edr --seqs 1024 --rounds 1 --json
+  python -m tools.simulator_validation.link_testbed                                  # the whole sweep (docs/results/link-testbed.md)
+  python -m tools.simulator_validation.link_testbed --presets ib-edr --seqs 4096 8192 16384 --rounds 3
+  python -m tools.simulator_validation.link_testbed --presets ib-edr --seqs 1024 --rounds 1 --json
 
 Needs root, iproute2 (ip, tc with netem), util-linux (taskset, nsenter, unshare).
 """
@@ -54,15 +54,14 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from megatron_weipipe.schedules import registry
+from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES
+from tools.simulator_validation import netns
+from tools.simulator_validation.testbed_presets import EFFICIENCY, PRESETS, TBF_BURST_BYTES, host_flops, preset_table
 
-import netns  # noqa: E402
-from testbed_presets import EFFICIENCY, PRESETS, TBF_BURST_BYTES, host_flops, preset_table  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SCHEDULES = ("1f1b", "interleaved", "weipipe-interleave", "weipipe-zb", "fsdp")
+SCHEDULES = TESTBED_SCHEDULES
 DEFAULT_SEQS = (1024, 2048, 4096, 8192, 16384)
 LONG = {"ib-edr": (32768,)}  # 32K only at ib-edr
 NOTES: set[str] = set()
@@ -87,9 +86,10 @@ def model_argv(seq: int, a) -> list[str]:
 
 
 def schedule_argv(name: str, a) -> list[str]:
-    if name == "fsdp":  # PP=1, DP=2: torch's fully_shard over the megatron-core model
+    entry = registry.simulated(name)
+    if entry.projection == registry.FSDP:  # PP=1, DP=2: torch's fully_shard over the megatron-core model
         return ["--pipeline-model-parallel-size", "1", "--use-torch-fsdp2"]
-    extra = ["--num-layers-per-virtual-pipeline-stage", str(a.layers // 4)] if name == "interleaved" else []
+    extra = ["--num-layers-per-virtual-pipeline-stage", str(a.layers // 4)] if entry.virtual_stages else []
     return ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", name, *extra]
 
 
@@ -100,7 +100,7 @@ def runnable(seq: int, a) -> dict[str, str | None]:
 
     out = {}
     for name in a.schedules:
-        if name == "interleaved" and (a.layers % 4 or a.layers < 4):
+        if registry.simulated(name).virtual_stages and (a.layers % 4 or a.layers < 4):
             out[name] = f"needs --layers a multiple of 4 (2 ranks x 2 virtual stages), not {a.layers}"
             continue
         try:
@@ -144,7 +144,7 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> tuple[list[dict
                 tb.shape(i, rate=f"{int(rate_bps * 8)}bit", burst=f"{TBF_BURST_BYTES}b", queue_ms=2000)
                 NOTES.add("tc netem is not available in this kernel: the emulated latency is not applied, "
                           f"the rate alone is (tc tbf, {TBF_BURST_BYTES // 1024} KiB burst, 2 s queue)")
-            tb.quick_ack(i)  # an interconnect has no delayed ACK (tools/netns.py)
+            tb.quick_ack(i)  # an interconnect has no delayed ACK (netns.py)
         cores = sorted(os.sched_getaffinity(0))
         outs = [os.path.join(work, f"{preset}-rank{i}.json") for i in (0, 1)]
         logs = [open(os.path.join(work, f"{preset}-rank{i}.log"), "w") for i in (0, 1)]
@@ -155,7 +155,7 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> tuple[list[dict
                    MEGATRON_WEIPIPE_WATCHDOG="0")
         core = [str(cores[i % len(cores)]) for i in (0, 1)]
         pin = [["taskset", "-c", c] if shutil.which("taskset") else [] for c in core]  # else the rank pins itself
-        procs = [tb.popen(i, [*pin[i], sys.executable, os.path.join(ROOT, "bench", "_testbed_rank.py"), jobs_path,
+        procs = [tb.popen(i, [*pin[i], sys.executable, "-m", "tools.simulator_validation.testbed_rank", jobs_path,
                               outs[i]], env=dict(env, RANK=str(i), TESTBED_CORE=core[i]), stdout=logs[i],
                           stderr=subprocess.STDOUT) for i in (0, 1)]
         deadline = time.monotonic() + a.timeout
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print("# command: python bench/link_testbed.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("# command: python -m tools.simulator_validation.link_testbed " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}; wall {time.time() - t0:.0f}s; host load average {load0:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end; 2 ranks, 1 core and 1 thread each; layers={a.layers} hidden={a.hidden} "
           f"heads={a.heads} micro-batch 1, {a.microbatches} microbatches/iteration, "
