@@ -72,10 +72,11 @@ def _order(P: int, V: int, N: int, rank: int) -> list[tuple[str, int, int]]:
 
 def megatron_timeline(name: str, P: int, N: int, V: int = 2) -> Schedule:
     """1F1B (V = 1) or interleaved 1F1B (V virtual stages per rank) over N microbatches."""
-    if name == "1f1b":
-        V = 1
-    elif name != "interleaved":
+    found = registry.find(name)
+    if found is None or found.timeline is None:
         raise ScheduleError(f"unknown Megatron schedule {name!r}")
+    if not found.virtual_stages:
+        V = 1
     if P < 1 or N < 1 or V < 1:
         raise ScheduleError(f"{name}: need P, N, V >= 1, got P={P} N={N} V={V}")
     if V > 1 and N % P:

@@ -41,6 +41,7 @@ from torch.func import functional_call
 
 from megatron_weipipe.byte_counter import ByteCounter
 from megatron_weipipe.platform import detect_platform
+from megatron_weipipe.config import RUNTIME_WEIGHT_PASSES, WeightPass, one_of
 
 from megatron_weipipe.schedules.ir.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
 from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, Post, rank_posts
@@ -132,7 +133,7 @@ class WeiPipeRuntime:
         use_tags: bool = True,
         comm_scope: Optional[Callable[[Flow], ContextManager]] = None,
         rng: Any = None,
-        weight_pass: str = "replay",
+        weight_pass: str = WeightPass.REPLAY,
         tracer: Optional[ActionTracer] = None,
         order: str = DEFAULT_ORDER,
         offload: Any = None,
@@ -155,8 +156,8 @@ class WeiPipeRuntime:
         `offload` (model/layer_offload.LayerInputStore), with `recompute`: each chunk's
         input waits on the host between its forward and its backward, the input of the
         next backward on this rank's list prefetched while the current one runs."""
-        if weight_pass not in ("replay", "stored", "deferred"):
-            raise ValueError(f"weight_pass must be 'replay', 'stored' or 'deferred', not {weight_pass!r}")
+        if weight_pass not in RUNTIME_WEIGHT_PASSES:
+            raise ValueError(f"weight_pass must be {one_of(RUNTIME_WEIGHT_PASSES)}, not {weight_pass!r}")
         self.tracer = tracer
         self.weight_pass = weight_pass
         if schedule.family != "weipipe":
@@ -256,7 +257,7 @@ class _IterationState:
         # The iteration's deferred weight gradients; the split backwards defer into it.
         self.wgrad = WeightGradStore()
         self.defer = ({(a.mb, a.chunk) for a in rt.actions if a.kind is Kind.BACKWARD_WEIGHT}
-                      if rt.weight_pass == "deferred" else set())
+                      if rt.weight_pass == WeightPass.DEFERRED else set())
         self.handlers: dict[Kind, Callable[[int, Action], None]] = {  # (list index, action) -> None
             Kind.LOAD: self._load, Kind.DROP: self._drop, Kind.GRAD_INIT: self._grad_init,
             Kind.FORWARD: self._forward, Kind.LOSS: self._loss, Kind.BACKWARD: self._backward,
@@ -444,7 +445,7 @@ class _IterationState:
             s.swap.flat = bwd
         s.bwd_flat = bwd
         want_x = a.chunk > 0 or s.pre_out is not None
-        split_now = not weight_too and self.rt.weight_pass in ("stored", "deferred")
+        split_now = not weight_too and self.rt.weight_pass in (WeightPass.STORED, WeightPass.DEFERRED)
         both = weight_too or split_now
         inputs = ([s.x] if want_x else []) + ([s.anchor] if both else [])
         if inputs:
@@ -458,7 +459,7 @@ class _IterationState:
             del self.saved[(a.mb, a.chunk)]
         elif split_now:
             dw = grads[-1] if grads[-1] is not None else torch.zeros_like(s.anchor)
-            if self.rt.weight_pass == "deferred":
+            if self.rt.weight_pass == WeightPass.DEFERRED:
                 # Keep only the gradients of weights not deferred (norms, biases): small.
                 deferred = self.wgrad.names((a.mb, a.chunk))
                 s.early = {p.name: dw[p.offset:p.offset + p.numel].clone()
