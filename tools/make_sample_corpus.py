@@ -6,7 +6,7 @@ structure a tiny model can learn in a few dozen steps: a fixed vocabulary, consi
 (animals keep their legs, sounds and food), correct arithmetic, ordered sequences (days,
 months, numbers) and short stories whose pronouns agree with their characters.
 
-    python tools/make_sample_corpus.py --output data/sample.jsonl
+    python -m tools.make_sample_corpus --output data/sample.jsonl
 """
 
 from __future__ import annotations

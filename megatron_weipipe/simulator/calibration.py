@@ -1,7 +1,7 @@
 """A host calibration: measured seconds of a run's pieces on this machine, as data.
 
 The measuring itself runs real megatron-core layers, so it lives with the tool that calls
-it (tools/host_calibration.py); the simulator only reads what it measured (costs.py) and
+it (training/host_calibration.py); the simulator only reads what it measured (costs.py) and
 how busy the host was (``background_tasks``).
 """
 
@@ -67,7 +67,7 @@ class HostCalibration:
 
 @dataclass(frozen=True)
 class Fsdp2Overhead:
-    """FSDP2's fixed costs on this host (bench/fsdp2_overhead.py: the trainer with and without
+    """FSDP2's fixed costs on this host (tools/simulator_validation/fsdp2_overhead.py: the trainer with and without
     ``--use-torch-fsdp2``, same model and data): seconds per unit and microbatch added to its
     forward and to its backward, and the iteration's seconds besides its microbatches (the
     optimizer over the sharded DTensors, the gradient norm). ``rounds``: the same three of

@@ -151,7 +151,7 @@ def parse_command(argv: Optional[Sequence[str]] = None):
 
 def calibration_for(opts: CalibrationOptions, spec, calibrator=None):
     """This host's calibration for the spec's shape: read from --calibration, or measured
-    by ``calibrator`` (tools/host_calibration.py, which runs real megatron-core layers)."""
+    by ``calibrator`` (training/host_calibration.py, which runs real megatron-core layers)."""
     import os
 
     from . import calibration as calib
@@ -165,7 +165,7 @@ def calibration_for(opts: CalibrationOptions, spec, calibrator=None):
             _CALIBRATIONS[key] = c
         else:
             require_simulable(calibrator is not None,
-                    "--calibrate times real layers on this host: run it through tools/simulate.py")
+                    "--calibrate times real layers on this host: run it through python -m tools.simulate")
             require_simulable(opts.calibrate_ranks >= 1, "--calibrate-ranks must be at least 1")
             reps = opts.calibration_repeats
             if opts.calibrate_ranks > 1:
@@ -236,7 +236,7 @@ def costs_for(a: SimulatorArgs, spec, cluster, calibrator=None):
 
 def main(argv: Optional[Sequence[str]] = None, calibrator=None) -> int:
     """``calibrator``: what measures this host for --calibrate / --measure-host (tools/simulate.py
-    passes tools/host_calibration.py); without it only a saved --calibration can be used."""
+    passes training/host_calibration.py); without it only a saved --calibration can be used."""
     import warnings
 
     from .project import simulate_run

@@ -64,7 +64,7 @@ class CostModel:
     grad_add: float = 0.0  # adding a chunk's weight gradient into the gradient token
     # FSDP2's fixed CPU seconds per unit and pass (hooks, DTensor bookkeeping, each collective's
     # own cost), and the step after an FSDP iteration's microbatches (None: the optimizer over
-    # the shard); measured by bench/fsdp2_overhead.py on a CPU host, 0 / None for FLOP costs
+    # the shard); measured by tools/simulator_validation/fsdp2_overhead.py on a CPU host, 0 / None for FLOP costs
     fsdp_unit_forward: float = 0.0
     fsdp_unit_backward: float = 0.0
     fsdp_step: Optional[float] = None

@@ -1,4 +1,4 @@
-"""Predict a row of the link testbed (bench/link_testbed.py) from host microbenchmarks.
+"""Predict a row of the link testbed (tools/simulator_validation/link_testbed.py) from host microbenchmarks.
 
 The testbed runs the trainer on two ranks, each pinned to its own core with one thread,
 over a veth link shaped by tc to an emulated rate and latency, in float32 with torch's
@@ -6,11 +6,11 @@ SDPA attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (
 interleaved with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1,
 DP = 2). The prediction replays the same schedule with the costs of a HostCalibration of
 the same shape (layer forward / backward, embedding, head, optimizer step, timed by
-tools/host_calibration.py), the trainer's fixed costs (bench/fsdp2_overhead.py: FSDP2's
+training/host_calibration.py), the trainer's fixed costs (tools/simulator_validation/fsdp2_overhead.py: FSDP2's
 per unit, the training loop's per iteration) and the emulated link as tc shapes it: its
 rate, its latency where netem applies it, its token bucket where tbf shapes the rate
-alone, plus what a gloo message costs on this host (tools/host_calibration.py's link
-probe: CPU per byte; bench/message_delay.py: fixed seconds per message).
+alone, plus what a gloo message costs on this host (training/host_calibration.py's link
+probe: CPU per byte; tools/simulator_validation/message_delay.py: fixed seconds per message).
 Nothing is fitted to the testbed's rows.
 """
 
@@ -37,7 +37,7 @@ BYTE_LEVEL_VOCAB = 259  # ByteLevelTokenizer: 256 bytes, EOD, PAD, BOS (the test
 
 @dataclass(frozen=True)
 class TestbedShape:
-    """The testbed's model (bench/link_testbed.py's defaults)."""
+    """The testbed's model (tools/simulator_validation/link_testbed.py's defaults)."""
 
     layers: int = 2
     hidden: int = 32
@@ -85,9 +85,9 @@ def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s:
     timings of the same model shape and sequence (any chunk size; chunks scale per layer);
     ``fsdp2``: FSDP2's fixed costs of the same shape (the FSDP row without them counts its
     compute and bytes alone); ``message_s``: what a gloo message waits on this host beyond
-    its bytes (bench/message_delay.py), added to ``latency_s`` except where FSDP2's measured
+    its bytes (tools/simulator_validation/message_delay.py), added to ``latency_s`` except where FSDP2's measured
     fixed costs already hold it; ``loop_s``: the training loop's own seconds per iteration
-    outside the schedule and the optimizer step (bench/fsdp2_overhead.py's DDP runs), added
+    outside the schedule and the optimizer step (tools/simulator_validation/fsdp2_overhead.py's DDP runs), added
     likewise (FSDP2's measured step holds it)."""
     spec = testbed_spec(schedule, seq, shape)
     c = calibration.shape
