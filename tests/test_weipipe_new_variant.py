@@ -118,3 +118,19 @@ def test_variant_trains_gpt_like_the_reference():
     assert f"> schedule {NAME}:" in run["log"]
     assert len(run["losses"]) == 3
     assert_matches(run, reference, NAME)
+
+
+def test_variant_is_projected_by_the_cluster_simulator(variant):
+    """The simulator reads the registry too: the new entry is simulated beside the built-in
+    variants, and at these costs it takes the interleave grid's time (same compute per tick)."""
+    from megatron_weipipe.simulator.cli import costs_for, parse_command
+    from megatron_weipipe.simulator.project import simulate_run
+
+    argv = ("--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 1024 --global-batch-size 8 "
+            f"--pipeline-model-parallel-size 2 --bf16 --schedules {variant},weipipe-interleave").split()
+    a, cluster, specs = parse_command(argv)
+    results = {s.schedule: simulate_run(s, cluster, costs_for(a, s, cluster)) for s in specs}
+    assert set(results) == {variant, "weipipe-interleave"}
+    ours, theirs = results[variant], results["weipipe-interleave"]
+    assert ours.iteration_s > 0
+    assert abs(ours.iteration_s - theirs.iteration_s) <= 0.25 * theirs.iteration_s
