@@ -9,9 +9,11 @@ schedule's, and the data files'.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Optional, Sequence
 
+from megatron_weipipe.errors import launcher_rank
 from megatron_weipipe.config import (
     CheckpointConfig,
     ConfigError,
@@ -22,9 +24,13 @@ from megatron_weipipe.config import (
     TrainingConfig,
 )
 from megatron_weipipe.data.config import DataConfig
-from megatron_weipipe.flags import add_flags, from_args
+from megatron_weipipe.flags import FlagParser, add_flags, from_args
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
+
+log = logging.getLogger(__name__)
+SEQUENCE_PARALLEL_OFF = ("warning: disabling --sequence-parallel because --tensor-model-parallel-size is 1 "
+                         "(as Megatron-LM does)")
 
 # (PretrainConfig field, its dataclass, argument-group title), in --help order.
 SECTIONS = (
@@ -48,7 +54,7 @@ def add_pretrain_flags(parser: argparse.ArgumentParser, *, require: bool = True)
 def build_parser() -> argparse.ArgumentParser:
     from megatron_weipipe.schedules import registry
 
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="pretrain_gpt.py",
         description="Megatron-style GPT pretraining with WeiPipe and FPDT schedules.",
         epilog=f"pipeline schedules: {', '.join(registry.names())}",
@@ -70,10 +76,16 @@ def config_from_args(args: argparse.Namespace, world_size: Optional[int] = None)
 
 
 def resolve_defaults(cfg: PretrainConfig) -> PretrainConfig:
-    """``cfg`` with the defaults that depend on other flags filled in (the schedule among them)."""
+    """``cfg`` with the defaults that depend on other flags filled in (the schedule among them).
+
+    A flag Megatron-LM turns off where it cannot apply is turned off here too, with its
+    one-line warning printed by rank 0 (every rank resolves the same flags)."""
     from megatron_weipipe.schedules import registry
 
-    return cfg.with_derived_defaults(registry.schedule_name(cfg))
+    resolved = cfg.with_derived_defaults(registry.schedule_name(cfg))
+    if cfg.parallel.sequence_parallel and not resolved.parallel.sequence_parallel and launcher_rank() == 0:
+        log.warning(SEQUENCE_PARALLEL_OFF)
+    return resolved
 
 
 def check_config(cfg: PretrainConfig, *, check_data: bool = True) -> None:
@@ -95,5 +107,6 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
     """Parse, resolve and validate; raises ConfigError (one sentence) on anything that cannot work."""
     args = build_parser().parse_args(argv)
     cfg = resolve_defaults(config_from_args(args, world_size))
+    cfg.training.require_run_length()
     check_config(cfg)
     return cfg

@@ -14,7 +14,8 @@ import os
 import sys
 import traceback
 
-EXIT_CONFIG = 2  # bad flags or inputs, found before training starts
+from megatron_weipipe.errors import EXIT_CONFIG, launcher_rank
+
 EXIT_FAILURE = 1  # a failure during the run (data, checkpoint, NaN, peer rank)
 
 
@@ -28,7 +29,7 @@ def run_main(argv, model_provider, forward_step) -> int:
     from megatron_weipipe.config import ConfigError
 
     logging.basicConfig(level=os.environ.get("MEGATRON_WEIPIPE_LOG_LEVEL", "WARNING"), format="%(message)s")
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launcher_rank()
     try:
         cfg = parse_config(argv)
     except ConfigError as e:

@@ -9,7 +9,7 @@ sentence instead of hanging in a collective later.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Optional
 
@@ -18,11 +18,7 @@ from megatron_weipipe.errors import ConfigError, require
 from megatron_weipipe.flags import option
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
-from megatron_weipipe.shape import ModelShape, ffn_hidden_size
-
-# Megatron-LM's --attention-backend values (model/sdpa_attention.py, model/gpt.py and
-# platform.py say which core attention each selects).
-ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+from megatron_weipipe.model_config import ModelConfig
 
 # --lr-decay-style: the styles megatron-core's OptimizerParamScheduler runs with the flags
 # this trainer has (its WSD style needs wsd_decay_steps, which no flag sets).
@@ -57,110 +53,6 @@ def one_of(choices) -> str:
 
 
 @dataclass
-class ModelConfig:
-    num_layers: int = option(2, required=True, help="number of transformer layers")
-    hidden_size: int = option(64, required=True, help="transformer hidden size")
-    num_attention_heads: int = option(4, required=True, help="number of attention heads")
-    ffn_hidden_size: Optional[int] = option(
-        None, help="MLP width (default: 4 x hidden, or int(4h x 2/3 / 64) x 64 with --swiglu, as Megatron-LM)")
-    num_query_groups: Optional[int] = option(None, help="key/value heads for grouped-query attention")
-    group_query_attention: bool = option(False, help="grouped-query attention (with --num-query-groups)")
-    kv_channels: Optional[int] = option(None, help="head dimension (default: hidden / heads)")
-    seq_length: int = option(128, required=True, help="tokens per sample")
-    max_position_embeddings: Optional[int] = option(
-        None, help="size of the learned position table (default: --seq-length)")
-    position_embedding_type: str = option("learned_absolute", help="learned_absolute, rope or none")
-    rotary_base: int = option(10000, help="RoPE base")
-    rotary_percent: float = option(1.0, help="fraction of each head's channels that RoPE rotates")
-    use_rope_scaling: bool = option(False, help="Llama-3.1 RoPE frequency scaling (low/high frequency factors 1 "
-                                                "and 4, original context 8192, as megatron-core applies it)")
-    rope_scaling_factor: float = option(8.0, help="factor of --use-rope-scaling")
-    normalization: str = option("LayerNorm", help="LayerNorm or RMSNorm")
-    norm_epsilon: float = option(1e-5, help="epsilon of the normalisation layers")
-    swiglu: bool = option(False, help="gated SiLU MLP (Llama)")
-    untie_embeddings_and_output_weights: bool = option(False, help="separate output layer weights")
-    add_bias_linear: bool = option(True, flag="--disable-bias-linear", inverted=True,
-                                   help="no biases in the linear layers")
-    add_qkv_bias: bool = option(False, help="bias in the QKV projection even with --disable-bias-linear")
-    hidden_dropout: float = option(0.1, help="dropout after attention and MLP")
-    attention_dropout: float = option(0.1, help="dropout of attention probabilities")
-    init_method_std: float = option(0.02, help="standard deviation of the weight initialisation")
-    make_vocab_size_divisible_by: int = option(
-        128, help="pad the vocabulary to a multiple of this x tensor-parallel size")
-    transformer_impl: str = option("auto", choices=("auto", "local", "transformer_engine"),
-                                   help="layer implementation (auto: transformer_engine when importable on a GPU)")
-    allow_unverified_gpu_paths: bool = option(
-        False, help="keep GPU paths not yet verified by tools/gpu_acceptance.sh (WeiPipe over Transformer Engine "
-                    "layers, dropout replay under them) instead of falling back to local layers with a notice")
-    attention_backend: str = option(
-        "auto", choices=ATTENTION_BACKENDS,
-        help="core attention (Megatron-LM's values). Local layers: auto/flash/fused = torch's fused "
-             "scaled_dot_product_attention (on a GPU its flash/cuDNN/memory-efficient kernels only), "
-             "unfused/local = megatron-core's DotProductAttention; Transformer Engine layers: TE's "
-             "flash/fused/unfused choice (NVTE_*_ATTN), local = local layers")
-    recompute_granularity: Optional[str] = option(None, help="activation recomputation: full or selective")
-    recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
-    recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "
-                                                           "layers per stage (block)")
-    offload_layer_inputs: bool = option(
-        False, help="with full recomputation, keep each recomputed layer's input in host memory between its "
-                    "forward and its recompute (prefetched one layer ahead); see docs/how-it-works/fpdt.md")
-    layout_invariant_init: bool = option(
-        True, flag="--no-layout-invariant-init", inverted=True,
-        help="use megatron-core's per-rank initialisation instead of one that is the same for every parallel "
-             "layout (the default lets a run switch TP/PP/schedule at equal seed)")
-
-    def shape(self, micro_batch_size: int = 1, vocab_size: int = 32000) -> ModelShape:
-        """The shape arithmetic of this model (FFN width, parameter counts, FLOPs)."""
-        own = {name: getattr(self, name) for name in _SHAPE_FIELDS}
-        return ModelShape(**own, micro_batch_size=micro_batch_size, vocab_size=vocab_size)
-
-    @staticmethod
-    def shape_fields() -> tuple[str, ...]:
-        """The fields a ModelShape has too (what ``shape`` and ``from_shape`` carry)."""
-        return _SHAPE_FIELDS
-
-    @classmethod
-    def from_shape(cls, shape: ModelShape, **overrides) -> "ModelConfig":
-        """A model of this shape (the simulator's and the calibrator's way back to a config)."""
-        own = {name: getattr(shape, name) for name in _SHAPE_FIELDS}
-        return cls(**own, group_query_attention=shape.num_query_groups is not None, **overrides)
-
-    @property
-    def ffn(self) -> int:
-        return ffn_hidden_size(self.hidden_size, self.swiglu, self.ffn_hidden_size)
-
-    def validate(self) -> None:
-        if self.group_query_attention or self.num_query_groups is not None:
-            require(self.num_query_groups is not None and self.num_query_groups > 0,
-                    "--group-query-attention needs --num-query-groups > 0")
-        self.shape().validate()
-        if self.position_embedding_type == "learned_absolute":
-            require(self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
-                    f"--max-position-embeddings ({self.max_position_embeddings}) must be at least "
-                    f"--seq-length ({self.seq_length})")
-        require(self.transformer_impl in ("auto", "local", "transformer_engine"),
-                f"--transformer-impl must be local or transformer_engine, not {self.transformer_impl!r}")
-        require(self.recompute_granularity in (None, "full", "selective"),
-                f"--recompute-granularity must be full or selective, not {self.recompute_granularity!r}")
-        if self.recompute_granularity == "full":
-            require(self.recompute_method in ("uniform", "block"),
-                    "--recompute-granularity full needs --recompute-method uniform or block")
-        require(not self.offload_layer_inputs or self.recompute_granularity == "full",
-                "--offload-layer-inputs needs --recompute-granularity full (it offloads the layer inputs that "
-                "full recomputation keeps)")
-        require(0.0 <= self.hidden_dropout < 1.0, "--hidden-dropout must be in [0, 1)")
-        require(0.0 <= self.attention_dropout < 1.0, "--attention-dropout must be in [0, 1)")
-
-    @property
-    def query_groups(self) -> int:
-        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
-
-
-_SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape) if f.name in {g.name for g in fields(ModelConfig)})
-
-
-@dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = option(1, help="tensor-parallel size (TP)")
     pipeline_model_parallel_size: int = option(1, help="pipeline-parallel size (PP): the 1F1B pipeline or the "
@@ -171,7 +63,8 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = option(
         None, help="pipeline schedule, one of those listed at the end of --help (default: none at PP=1, "
                    "interleaved with virtual stages, else 1f1b)")
-    sequence_parallel: bool = option(False, help="Megatron sequence parallelism (needs TP > 1)")
+    sequence_parallel: bool = option(False, help="Megatron sequence parallelism; turned off with a warning at "
+                                                 "--tensor-model-parallel-size 1, as Megatron-LM does")
     use_distributed_optimizer: bool = option(False, help="shard optimizer state over data-parallel ranks")
     use_torch_fsdp2: bool = option(False, help="torch FSDP2 (fully_shard per transformer layer, then the model): "
                                               "parameters, gradients and optimizer state sharded over data x "
@@ -203,13 +96,25 @@ class TrainingConfig:
     micro_batch_size: int = option(1, help="samples per microbatch")
     global_batch_size: Optional[int] = option(None, help="samples per optimizer step (default: micro batch x "
                                                          "data-parallel size)")
-    train_iters: int = option(10, required=True, help="optimizer steps to train")
+    train_iters: Optional[int] = option(None, help="optimizer steps to train (this or --train-samples)")
+    train_samples: Optional[int] = option(
+        None, help="samples to train instead of --train-iters: --train-samples // --global-batch-size steps, "
+                   "the learning-rate schedule counted in samples (Megatron-LM's sample-based training)")
     lr: float = option(1e-4, help="peak learning rate")
     min_lr: float = option(0.0, help="learning rate at the end of the decay")
+    decoupled_lr: Optional[float] = option(
+        None, help="peak learning rate of the embedding and output layer (megatron-core's parameter groups of "
+                   "the is_embedding_or_output_parameter weights); the other weights follow --lr")
+    decoupled_min_lr: Optional[float] = option(
+        None, help="learning rate of the embedding and output layer at the end of the decay (default: --min-lr; "
+                   "only with --decoupled-lr, as in Megatron-LM)")
     lr_decay_style: str = option("cosine", help=f"learning-rate decay after the warm-up: {one_of(LR_DECAY_STYLES)}")
     lr_warmup_iters: int = option(0, help="warm-up steps")
-    lr_warmup_fraction: Optional[float] = option(None, help="warm-up as a fraction of the decay steps")
+    lr_warmup_samples: int = option(0, help="warm-up samples (with --train-samples)")
+    lr_warmup_fraction: Optional[float] = option(None, help="warm-up as a fraction of the decay steps or samples")
     lr_decay_iters: Optional[int] = option(None, help="decay steps (default: --train-iters)")
+    lr_decay_samples: Optional[int] = option(None, help="decay samples (with --train-samples; default: "
+                                                        "--train-samples)")
     weight_decay: float = option(0.01, help="weight decay")
     clip_grad: float = option(1.0, help="gradient-norm clipping (0: off)")
     optimizer: str = option("adam", help="adam or sgd")
@@ -234,7 +139,7 @@ class TrainingConfig:
 
     def validate(self) -> None:
         require(self.micro_batch_size > 0, "--micro-batch-size must be positive")
-        require(self.train_iters >= 0, "--train-iters must be non-negative")
+        require(self.train_iters is None or self.train_iters >= 0, "--train-iters must be non-negative")
         require(self.lr >= 0, "--lr must be non-negative")
         require(self.lr_decay_style in LR_DECAY_STYLES,
                 f"--lr-decay-style must be {one_of(LR_DECAY_STYLES)}, not {self.lr_decay_style!r}")
@@ -242,16 +147,89 @@ class TrainingConfig:
         require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, not {self.optimizer!r}")
         require(self.eval_interval > 0, "--eval-interval must be positive")
         require(self.clip_grad >= 0, "--clip-grad must be non-negative")
-        decay = self.lr_decay_iters or self.train_iters
+        self._validate_decoupled_lr()
+        if self.train_samples is not None:
+            self._validate_sample_based()
+            return
+        self._refuse_sample_flags()
+        decay = self.lr_decay_iters or self.train_iters or 0
         require(self.warmup_iters == 0 or self.warmup_iters < decay,
                 f"--lr-warmup-iters ({self.warmup_iters}) must be smaller than --lr-decay-iters or --train-iters "
                 f"({decay})")
 
+    def require_run_length(self) -> None:
+        """A training run needs its length (the simulator, which trains nothing, does not)."""
+        require(self.train_iters is not None or self.train_samples is not None,
+                "give --train-iters or --train-samples (the run's length)")
+
+    def _validate_decoupled_lr(self) -> None:
+        if self.decoupled_lr is None:
+            return
+        low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        require(0 <= low <= self.decoupled_lr,
+                f"--decoupled-lr ({self.decoupled_lr}) must be at least --decoupled-min-lr or --min-lr ({low}) "
+                "and that at least 0")
+
+    def _refuse_sample_flags(self) -> None:
+        """Megatron-LM's asserts of iteration-based training."""
+        require(self.lr_decay_samples is None,
+                "--lr-decay-samples needs --train-samples (iteration-based training decays over --lr-decay-iters)")
+        require(self.lr_warmup_samples == 0,
+                "--lr-warmup-samples needs --train-samples (iteration-based training warms up over "
+                "--lr-warmup-iters)")
+
+    def _validate_sample_based(self) -> None:
+        """Megatron-LM's asserts of sample-based training, and megatron-core's scheduler's."""
+        require(self.train_iters is None, "--train-iters and --train-samples cannot both be given (iteration- or "
+                                          "sample-based training, as in Megatron-LM)")
+        require(self.lr_decay_iters is None, "--lr-decay-iters cannot be combined with --train-samples; give "
+                                             "--lr-decay-samples")
+        require(self.lr_warmup_iters == 0, "--lr-warmup-iters cannot be combined with --train-samples; give "
+                                           "--lr-warmup-samples")
+        require(self.lr_warmup_fraction is None or self.lr_warmup_samples == 0,
+                "can only specify one of --lr-warmup-fraction and --lr-warmup-samples")
+        require(self.train_samples > 0, "--train-samples must be positive")
+        decay, warmup = self.lr_decay_steps, self.lr_warmup_steps
+        require(decay > 0, "--lr-decay-samples must be positive")
+        require(warmup < decay, f"--lr-warmup-samples ({warmup}) must be smaller than --lr-decay-samples or "
+                                f"--train-samples ({decay})")
+
+    @property
+    def iterations(self) -> int:
+        """Optimizer steps of the run: --train-iters, or --train-samples // --global-batch-size
+        (Megatron-LM's update_train_iters at a fixed batch size)."""
+        if self.train_samples is not None:
+            return self.train_samples // self.global_batch_size
+        return self.train_iters
+
     @property
     def warmup_iters(self) -> int:
         if self.lr_warmup_fraction is not None:
-            return int(self.lr_warmup_fraction * (self.lr_decay_iters or self.train_iters))
+            return int(self.lr_warmup_fraction * (self.lr_decay_iters or self.train_iters or 0))
         return self.lr_warmup_iters
+
+    @property
+    def lr_decay_steps(self) -> int:
+        """The scheduler's decay length in samples, as Megatron-LM's get_optimizer_param_scheduler counts it."""
+        if self.train_samples is not None:
+            return self.train_samples if self.lr_decay_samples is None else self.lr_decay_samples
+        return max(self.lr_decay_iters or self.train_iters, 1) * self.global_batch_size
+
+    @property
+    def lr_warmup_steps(self) -> float:
+        """The scheduler's warm-up length in samples (a fraction of the decay samples is not rounded)."""
+        if self.train_samples is not None:
+            if self.lr_warmup_fraction is not None:
+                return self.lr_warmup_fraction * self.lr_decay_steps
+            return self.lr_warmup_samples
+        return self.warmup_iters * self.global_batch_size
+
+    @property
+    def wd_incr_steps(self) -> int:
+        """The weight-decay increment length in samples."""
+        if self.train_samples is not None:
+            return self.train_samples
+        return max(self.train_iters, 1) * self.global_batch_size
 
     @property
     def compute_bytes(self) -> int:
@@ -287,6 +265,24 @@ class LoggingConfig:
     timing_log_level: int = option(0, help="accepted for Megatron compatibility")
     schedule_trace: Optional[str] = option(
         None, help="write per-rank Chrome trace JSON of every schedule action here (rank{N}.json)")
+    log_params_norm: bool = option(False, help="log the L2 norm of all parameters at each log line "
+                                   "(params norm:, TensorBoard params-norm)")
+    log_num_zeros_in_grad: bool = option(False, help="log the number of zero gradient entries at each log "
+                                         "line (num zeros:, TensorBoard num-zeros)")
+    log_memory_to_tensorboard: bool = option(False, help="write memory figures to TensorBoard (CUDA: "
+                                             "mem-reserved/allocated/max-allocated-bytes, mem-allocated-count; "
+                                             "CPU: mem-peak-rss-bytes)")
+    log_timers_to_tensorboard: bool = option(False, help="write iteration-time (s) and throughput "
+                                             "(TFLOP/s/GPU) to TensorBoard")
+    profile: bool = option(False, help="profile the iterations from --profile-step-start to --profile-step-end: "
+                           "torch.profiler with --use-pytorch-profiler, else cudaProfilerStart/Stop for nsys "
+                           "--capture-range=cudaProfilerApi (a notice on a CPU host)")
+    use_pytorch_profiler: bool = option(False, help="--profile with torch.profiler; the Chrome trace goes to "
+                                        "<--tensorboard-dir>/../torch_profile/rank-N.json.gz")
+    profile_step_start: int = option(10, help="the iteration --profile starts at")
+    profile_step_end: int = option(12, help="the iteration --profile stops at")
+    profile_ranks: list[int] = option(help="the global ranks --profile profiles (none given: all)",
+                                      default_factory=list)
 
     def validate(self) -> None:
         require(self.log_interval > 0, "--log-interval must be positive")
@@ -295,6 +291,11 @@ class LoggingConfig:
 
             require(self.schedule_trace != "" and not os.path.isfile(self.schedule_trace),
                     f"--schedule-trace must name a directory, not {self.schedule_trace!r}")
+        if self.profile:
+            require(0 <= self.profile_step_start < self.profile_step_end,
+                    "--profile needs 0 <= --profile-step-start < --profile-step-end")
+            require(not self.use_pytorch_profiler or self.tensorboard_dir is not None,
+                    "--use-pytorch-profiler writes its trace next to --tensorboard-dir; give --tensorboard-dir")
 
 
 @dataclass
@@ -335,7 +336,7 @@ class PretrainConfig:
 
     def with_derived_defaults(self, schedule_name: str) -> "PretrainConfig":
         """A copy with every default that depends on other values filled in: the global
-        batch, the schedule, and the data's sequence length and seed."""
+        batch, the schedule, sequence parallelism (off at TP 1), and the data's sequence length and seed."""
         t, mp = self.training, self.parallel.model_parallel_size
         gbs = t.global_batch_size
         if gbs is None and mp > 0 and self.world_size % mp == 0:
@@ -343,7 +344,10 @@ class PretrainConfig:
         return replace(
             self,
             training=replace(t, global_batch_size=gbs),
-            parallel=replace(self.parallel, pipeline_schedule=schedule_name),
+            # Megatron-LM turns --sequence-parallel off at TP 1 (arguments.resolve_defaults warns)
+            parallel=replace(self.parallel, pipeline_schedule=schedule_name,
+                             sequence_parallel=(self.parallel.sequence_parallel
+                                                and self.parallel.tensor_model_parallel_size > 1)),
             data=replace(self.data, seq_length=self.model.seq_length, seed=t.seed,
                          # Ulysses/FPDT take document offsets computed in the forward step, never [s, s].
                          create_attention_mask=self.data.reset_attention_mask and not self._long_context()),
@@ -383,8 +387,6 @@ class PretrainConfig:
                 f"--tensor-model-parallel-size ({tp})")
         require(m.query_groups % tp == 0,
                 f"--num-query-groups ({m.query_groups}) must be divisible by --tensor-model-parallel-size ({tp})")
-        if p.sequence_parallel:
-            require(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
         dp = self.data_parallel_size
         require(t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) == 0,
                 f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size x "
@@ -405,6 +407,9 @@ class PretrainConfig:
                     "--fpdt)")
             require(not p.sequence_parallel,
                     "--sequence-parallel cannot be combined with --context-parallel-size > 1 or --fpdt")
+            require(not m.qk_layernorm,
+                    "--qk-layernorm cannot be combined with --context-parallel-size > 1 or --fpdt (their attention "
+                    "applies no query/key norms)")
         if self.fpdt.enabled:
             self.fpdt.validate(m.seq_length, p.context_parallel_size)
         if p.use_torch_fsdp2:

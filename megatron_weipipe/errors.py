@@ -1,6 +1,17 @@
-"""The exceptions for input that cannot work: start-up's, and the simulator's (a kind of it)."""
+"""Input that cannot work: the exceptions (start-up's, and the simulator's, a kind of it),
+the exit status, and the rank that reports it."""
 
 from __future__ import annotations
+
+import os
+
+EXIT_CONFIG = 2  # the exit status of bad flags or inputs, found before training starts
+
+
+def launcher_rank() -> int:
+    """This process's global rank as torchrun gives it (RANK), known before any process
+    group exists; 0 when run alone. Start-up errors are printed by rank 0 only."""
+    return int(os.environ.get("RANK", "0"))
 
 
 class ConfigError(ValueError):

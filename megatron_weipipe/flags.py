@@ -7,18 +7,27 @@ spelling); ``flag=`` overrides it for the few Megatron names that differ, and
 ``inverted=True`` is for Megatron's negative switches (``--disable-bias-linear`` sets
 ``add_bias_linear=False``). Fields declared without ``option`` are derived or internal
 and never appear on the command line.
+
+``FlagParser`` is the parser every command that takes these flags builds: a mistyped flag
+or value is one line on stderr (the closest real flag named) and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import re
+import sys
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from megatron_weipipe.errors import EXIT_CONFIG, launcher_rank
+
 _META = "megatron_weipipe.flag"
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a value, as argparse reads it
 
 
 @dataclass(frozen=True)
@@ -134,3 +143,53 @@ def to_flags(obj) -> list[str]:
         elif value is not None:
             out += [flag_name(f), str(value)]
     return out
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse, but a bad command line ends with one line on stderr and exit status 2.
+
+    An unknown flag is named with the closest real one (``error: unknown flag --hiden-size
+    (did you mean --hidden-size?)``) and is reported before anything else, since the flag
+    it stands for then looks missing; a bad value is ``error: --num-layers: invalid int
+    value: 'x'``. Under torchrun every rank parses the same command line, so only the
+    launcher's rank 0 prints the line (the rule of every start-up error, cli.run_main) and
+    the other ranks exit 2 silently: without it each rank would print the same line.
+    """
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        unknown = self._unknown_flag(argv)
+        if unknown is not None:
+            self._refuse(f"unknown flag {unknown}{self._closest(unknown)}")
+        parsed, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            self._refuse(f"unexpected argument {extras[0]!r}")
+        return parsed
+
+    def error(self, message: str):
+        """argparse's own complaints (a bad value, a missing flag), as one line."""
+        self._refuse(message.strip().splitlines()[0].removeprefix("argument "))
+
+    def _refuse(self, line: str):
+        self.exit(EXIT_CONFIG, f"error: {line}\n" if launcher_rank() == 0 else None)
+
+    def _option_strings(self) -> list[str]:
+        return [s for action in self._actions for s in action.option_strings]
+
+    def _unknown_flag(self, argv: Sequence[str]) -> Optional[str]:
+        """The first token argparse would read as a flag it does not know (before ``--``)."""
+        known = self._option_strings()
+        for token in argv:
+            if token == "--":
+                return None
+            if token[:1] not in self.prefix_chars or len(token) < 2 or " " in token or _NEGATIVE_NUMBER.match(token):
+                continue
+            name = token.split("=", 1)[0]
+            if name in known or (self.allow_abbrev and any(s.startswith(name) for s in known)):
+                continue
+            return name
+        return None
+
+    def _closest(self, name: str) -> str:
+        match = difflib.get_close_matches(name, self._option_strings(), n=1)
+        return f" (did you mean {match[0]}?)" if match else ""

@@ -62,9 +62,7 @@ class MegatronCompatConfig:
     ckpt_assume_constant_structure: bool = _noop("checkpoint caching")
     async_save: bool = _noop("checkpoints are written synchronously")
     use_dist_ckpt: bool = _noop("checkpoints are always torch_dist")
-    log_timers_to_tensorboard: bool = _noop("logging")
     log_validation_ppl_to_tensorboard: bool = _noop("logging")
-    log_memory_to_tensorboard: bool = _noop("logging")
     # --- refused: one line naming the flag ----------------------------------------
     fp8_format: Optional[str] = _refused("FP8 needs Transformer Engine on Hopper-class GPUs")
     use_megatron_fsdp: bool = _refused("Megatron's own FSDP is not one of this package's data-parallel modes "
@@ -76,14 +74,10 @@ class MegatronCompatConfig:
     use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
     rampup_batch_size: Optional[list[int]] = _refused("batch-size ramp-up changes the math; use a fixed "
                                                       "--global-batch-size")
-    decoupled_lr: Optional[float] = _refused("a separate learning rate for the embedding and output layer")
-    train_samples: Optional[int] = _refused("sample-based schedules; give --train-iters (samples / global batch)")
     calculate_per_token_loss: bool = _refused("normalising the loss by the tokens of the whole batch changes "
                                               "the loss and gradients", default=False)
     grad_reduce_in_bf16: bool = _refused("gradients are reduced in fp32 here", default=False)
     wandb_project: Optional[str] = _refused("Weights & Biases logging; use --tensorboard-dir")
-    profile: bool = _refused("the Nsight/torch profiler hooks; run under torch.profiler or nsys yourself",
-                             default=False)
 
     def validate(self) -> None:
         for f in fields(self):

@@ -21,17 +21,21 @@ MEGATRON_FLAGS = """
 --normalization --norm-epsilon --swiglu --untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias
 --hidden-dropout --attention-dropout --init-method-std --make-vocab-size-divisible-by --transformer-impl --attention-backend
 --recompute-granularity --recompute-method --recompute-num-layers --no-layout-invariant-init
+--apply-layernorm-1p --qk-layernorm --use-cpu-initialization
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
 --context-parallel-size --pipeline-schedule --sequence-parallel --use-distributed-optimizer --use-torch-fsdp2 --overlap-grad-reduce
 --distributed-backend --distributed-timeout-minutes --weipipe-grad-dtype --fpdt --fpdt-chunk-size --fpdt-offload
---micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-decay-style --lr-warmup-iters
+--micro-batch-size --global-batch-size --train-iters --train-samples --lr --min-lr --decoupled-lr
+--decoupled-min-lr --lr-decay-style --lr-warmup-iters --lr-warmup-samples --lr-decay-samples
 --lr-warmup-fraction --lr-decay-iters --weight-decay --clip-grad --optimizer --adam-beta1 --adam-beta2 --adam-eps
 --sgd-momentum --bf16 --fp16 --seed --eval-interval --eval-iters --skip-train --exit-interval
 --exit-duration-in-mins --exit-signal-handler --no-check-for-nan-in-loss-and-grad --skip-nan-steps
 --deterministic-mode --data-path --split --mock-data --data-cache-path --num-workers --reset-position-ids
 --reset-attention-mask --eod-mask-loss --tokenizer-type --tokenizer-model --vocab-size --save --load
 --save-interval --no-load-optim --no-load-rng --finetune --ckpt-format --log-interval --tensorboard-dir
---log-throughput --timing-log-level --schedule-trace --dist-ckpt-optim-fully-reshardable --use-rope-scaling
+--log-throughput --timing-log-level --schedule-trace --log-params-norm --log-num-zeros-in-grad
+--log-memory-to-tensorboard --log-timers-to-tensorboard --profile --use-pytorch-profiler
+--profile-step-start --profile-step-end --profile-ranks --dist-ckpt-optim-fully-reshardable --use-rope-scaling
  --rope-scaling-factor --allow-unverified-gpu-paths --offload-layer-inputs
 """.split()
 
@@ -76,6 +80,22 @@ def test_validation_does_not_change_what_it_checks():
     assert asdict(cfg) == before
 
 
+def test_sequence_parallel_at_tp_1_is_turned_off_with_a_warning(caplog, monkeypatch):
+    """Megatron-LM's rule (its Llama-3 8B script passes --sequence-parallel at TP 1)."""
+    import logging
+
+    from megatron_weipipe import arguments
+
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level(logging.WARNING, logger=arguments.__name__):
+        off = parse_config(tiny_gpt_args(**{"sequence-parallel": True}))
+        kept = parse_config(tiny_gpt_args(**{"sequence-parallel": True, "tensor-model-parallel-size": 2}),
+                            world_size=2)
+    assert off.parallel.sequence_parallel is False and kept.parallel.sequence_parallel is True
+    assert [r.getMessage() for r in caplog.records] == [
+        "warning: disabling --sequence-parallel because --tensor-model-parallel-size is 1 (as Megatron-LM does)"]
+
+
 def test_readme_table_is_the_generated_one():
     readme = open(os.path.join(REPO_ROOT, "docs", "reference", "flags.md")).read()
     assert flags_table() in readme, "docs/reference/flags.md's flag table is stale: paste `python -m tools.flags_table`"
@@ -107,8 +127,8 @@ def test_lr_decay_style_help_and_error_name_what_is_accepted():
 def test_each_vocabulary_has_one_home():
     """The attention backends, FPDT's kernels and the weight passes are declared once; the
     flags, the checks and the simulator read them from there."""
-    from megatron_weipipe.config import (ATTENTION_BACKENDS, RUNTIME_WEIGHT_PASSES, SIMULATED_WEIGHT_PASSES,
-                                         TRAINING_WEIGHT_PASS, WeightPass)
+    from megatron_weipipe.config import RUNTIME_WEIGHT_PASSES, SIMULATED_WEIGHT_PASSES, TRAINING_WEIGHT_PASS, WeightPass
+    from megatron_weipipe.model_config import ATTENTION_BACKENDS
     from megatron_weipipe.fpdt import kernels
     from megatron_weipipe.fpdt.config import AUTO_KERNEL, BLOCK_KERNELS, KERNELS
     from megatron_weipipe.simulator.cli import build_parser as simulator_parser

@@ -11,8 +11,10 @@ import pytest
 
 from megatron_weipipe import config as config_module
 from megatron_weipipe import megatron_compat
+from megatron_weipipe import model_config
 from megatron_weipipe.arguments import check_config, resolve_defaults
-from megatron_weipipe.config import ConfigError, ModelConfig, PretrainConfig
+from megatron_weipipe.config import ConfigError, PretrainConfig
+from megatron_weipipe.model_config import ModelConfig
 from megatron_weipipe.flags import flag_spec
 from megatron_weipipe.fpdt import config as fpdt_config
 from megatron_weipipe.schedules.check import rules
@@ -23,7 +25,7 @@ from megatron_weipipe.simulator.run_spec import RunSpec, spec_from_config, spec_
 # The sections whose rules run at start-up (the data files' are not checked by the
 # simulator: it runs check_config with check_data=False).
 SECTIONS = ("model", "parallel", "training", "fpdt", "checkpoint", "logging", "megatron")
-RULE_SOURCES = (config_module, fpdt_config, rules, megatron_compat, ModelShape.validate)
+RULE_SOURCES = (config_module, model_config, fpdt_config, rules, megatron_compat, ModelShape.validate)
 
 # A value other than the default for the fields whose type says too little, with the
 # changes it needs to mean something (a layout with virtual stages needs its schedule).

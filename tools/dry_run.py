@@ -38,7 +38,6 @@ default, `--platform host`, builds for this host. TE's own layers cannot be buil
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -452,7 +451,9 @@ def _gib(n: int) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(add_help=False)
+    from megatron_weipipe.flags import FlagParser
+
+    ap = FlagParser(add_help=False)
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--json", action="store_true")

@@ -58,6 +58,8 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
         kv_channels=m.kv_channels,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
+        layernorm_zero_centered_gamma=m.apply_layernorm_1p,
+        qk_layernorm=m.qk_layernorm,
         gated_linear_unit=m.swiglu,
         activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
         add_bias_linear=m.add_bias_linear,
@@ -75,7 +77,7 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
         pipeline_dtype=dtype,
         bf16=t.bf16,
         fp16=t.fp16,
-        use_cpu_initialization=not on_gpu,
+        use_cpu_initialization=m.use_cpu_initialization or not on_gpu,
         perform_initialization=True,
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,
@@ -98,18 +100,34 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
     return TransformerConfig(**kwargs)
 
 
+def with_final_norm(spec, tconf: TransformerConfig, vp_stage: Optional[int]):
+    """The decoder block of ``spec``'s layers with a zero-centred final norm where
+    megatron-core's own (torch's norm) refuses one; else ``spec`` as it is."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_weipipe.model.norms import ZeroCenteredNorm
+
+    if not (tconf.layernorm_zero_centered_gamma and isinstance(spec, ModuleSpec)
+            and transformer_block.LayerNormImpl is WrappedTorchNorm):
+        return spec
+    layers = transformer_block.get_num_layers_to_build(tconf, vp_stage)
+    return transformer_block.TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=ZeroCenteredNorm)
+
+
 def layer_spec(cfg: PretrainConfig, platform: Optional[Platform] = None):
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     from megatron_weipipe.model.sdpa_attention import core_attention_class, requested_backend
 
     platform = platform or detect_platform()
     if use_transformer_engine(cfg, platform):
-        return get_gpt_layer_with_transformer_engine_spec()  # attention: build_transformer_config
-    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+        # attention: build_transformer_config; TE's norms honour --apply-layernorm-1p themselves
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.model.qk_layernorm)
+    from megatron_weipipe.model.norms import local_layer_spec
+
+    spec = local_layer_spec(cfg)
     # --attention-backend, resolved by the platform: torch's fused SDPA unless unfused/local.
     backend = platform.attention_backend(requested_backend(cfg))
     spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend, platform)
@@ -156,7 +174,7 @@ def build_gpt_model(
     with core_initialization_skipped(tconf, enabled=m.layout_invariant_init):
         model = GPTModel(
             config=tconf,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=with_final_norm(spec, tconf, vp_stage),
             vocab_size=vocab_size,
             max_sequence_length=m.max_position_embeddings or m.seq_length,
             pre_process=pre_process,
@@ -179,7 +197,8 @@ def build_gpt_model(
         # fp32 master weights.
         model.to(dtype=dtype)
     if m.layout_invariant_init:
-        reinitialize_layout_invariant(model, cfg.training.seed, m.init_method_std, m.num_layers)
+        reinitialize_layout_invariant(model, cfg.training.seed, m.init_method_std, m.num_layers,
+                                      zero_centered_norms=m.apply_layernorm_1p)
     if m.offload_layer_inputs:
         from megatron_weipipe.model.layer_offload import LayerInputStore, install_on_block
 

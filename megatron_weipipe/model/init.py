@@ -149,10 +149,12 @@ def _is_placeholder(t: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def reinitialize_layout_invariant(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> InitStats:
+def reinitialize_layout_invariant(model: torch.nn.Module, seed: int, std: float, num_layers: int,
+                                  zero_centered_norms: bool = False) -> InitStats:
     """Draw every floating tensor of ``model``'s sharded state dict from its key's tiles:
     N(0, std), N(0, std / sqrt(2 * num_layers)) for the output projections (linear_proj,
-    linear_fc2), ones and zeros for norms and biases, as megatron-core does. Raises if a
+    linear_fc2), ones and zeros for norms and biases, as megatron-core does (norm weights
+    zeros too when ``zero_centered_norms``: applied as 1 + weight). Raises if a
     parameter has no entry: megatron-core's own initialisation was skipped
     (``core_initialization_skipped``), so it would keep uninitialised memory."""
     scaled_std = std / math.sqrt(2.0 * num_layers)
@@ -170,7 +172,7 @@ def reinitialize_layout_invariant(model: torch.nn.Module, seed: int, std: float,
                 raise RuntimeError(f"{sh.key}: flattened shards are not model tensors")
             kind = init_kind(sh.key)
             if kind in ("ones", "zeros"):
-                sh.data.fill_(1.0 if kind == "ones" else 0.0)
+                sh.data.fill_(1.0 if kind == "ones" and not zero_centered_norms else 0.0)
                 stats.elements_filled += sh.data.numel()
                 continue
             n = sh.prepend_axis_num  # stacked layers: the layer index leads as "prepended" axes

@@ -98,13 +98,12 @@ def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings, 
     The attention runs fpdt's block kernels (flash on a GPU for fp16/bf16, fpdt/kernels.py);
     the core-attention submodule it still builds (never called) is the platform's, as on
     the plain local spec, so no layer of the model is megatron-core's unfused attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
+    from megatron_weipipe.model.norms import local_layer_spec
     from megatron_weipipe.model.sdpa_attention import core_attention_class, requested_backend
     from megatron_weipipe.platform import detect_platform
 
     platform = platform or detect_platform()
-    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+    spec = local_layer_spec(cfg)
     attention_spec = spec.submodules.self_attention
     attention_spec.module = _attention_class(settings, _rotary(cfg))
     attention_spec.submodules.core_attention = core_attention_class(

@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 log = logging.getLogger(__name__)
 
-# The --attention-backend values (config.ATTENTION_BACKENDS) whose core attention on local
+# The --attention-backend values (model_config.py's ATTENTION_BACKENDS) whose core attention on local
 # layers is torch's fused SDPA kernels; the others keep megatron-core's unfused DotProductAttention.
 SDPA_BACKENDS = ("flash", "fused")
 # SDPA's kernels whose memory is linear in s (everything but its math kernel).

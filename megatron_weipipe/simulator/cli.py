@@ -14,20 +14,13 @@ from typing import Optional, Sequence
 from megatron_weipipe.arguments import add_pretrain_flags, config_from_args
 from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.errors import ConfigError
-from megatron_weipipe.flags import add_flags, from_args
+from megatron_weipipe.flags import FlagParser, add_flags, from_args
 from megatron_weipipe.schedules import registry
 
 from megatron_weipipe.errors import require_simulable
 from .options import OPTION_GROUPS, CalibrationOptions, HardwareOptions, OutputOptions, SimulationOptions
 
 EXIT_BAD_INPUT = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (and exit status 2) like every other error."""
-
-    def error(self, message: str):
-        self.exit(EXIT_BAD_INPUT, f"error: {message}\n")
 
 
 @dataclass
@@ -46,9 +39,9 @@ class SimulatorArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="simulate.py", allow_abbrev=False,
-                description="Project iteration time, traffic and memory of pipeline schedules. Takes "
-                            "pretrain_gpt.py's flags (those that do not shape the run are ignored).")
+    p = FlagParser(prog="simulate.py", allow_abbrev=False,
+                   description="Project iteration time, traffic and memory of pipeline schedules. Takes "
+                               "pretrain_gpt.py's flags (those that do not shape the run are ignored).")
     add_pretrain_flags(p, require=False)
     for prefix, cls, title in OPTION_GROUPS:
         add_flags(p, cls, prefix, title=title)

@@ -43,7 +43,8 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspat
 def pretrain_config_for(shape: ModelShape, num_layers: int, world_size: int = 1):
     """A PretrainConfig of this shape on CPU (fp32, dropout off): one process, or each rank of
     an already started group timing on its own (data parallel, nothing shared)."""
-    from megatron_weipipe.config import ModelConfig, PretrainConfig, TrainingConfig
+    from megatron_weipipe.config import PretrainConfig, TrainingConfig
+    from megatron_weipipe.model_config import ModelConfig
 
     model = ModelConfig.from_shape(replace(shape, num_layers=num_layers), hidden_dropout=0.0,
                                    attention_dropout=0.0, transformer_impl="local")

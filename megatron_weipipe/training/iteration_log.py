@@ -8,7 +8,8 @@ from typing import Optional
 
 from megatron_weipipe.training.console import print_rank_0
 from megatron_weipipe.training.loop_state import TrainingRun, TrainState
-from megatron_weipipe.training.metrics import training_log_line
+from megatron_weipipe.training.metrics import memory_scalars, training_log_line
+from megatron_weipipe.training.params_norm import params_l2_norm
 from megatron_weipipe.training.step import StepOutcome
 
 
@@ -42,7 +43,7 @@ def log_iteration(run: TrainingRun, state: TrainState, outcome: StepOutcome, win
     lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else t.lr
     stats = dict(
         iteration=state.iteration,
-        train_iters=t.train_iters,
+        train_iters=t.iterations,
         consumed_samples=state.consumed_train_samples,
         elapsed_ms=per_iter * 1000,
         tflops_per_device=run.flops_per_iteration / per_iter / 1e12 / cfg.world_size,
@@ -56,10 +57,27 @@ def log_iteration(run: TrainingRun, state: TrainState, outcome: StepOutcome, win
         nan_iterations=state.nan_iterations,
         mem_gb=mem,
         bytes_sent=run.ctx.bytes.snapshot()["sent"],
+        num_zeros=outcome.num_zeros,
+        params_norm=params_l2_norm(optimizer) if cfg.logging.log_params_norm else None,
     )
     if run.hooks.on_log is not None:
         run.hooks.on_log(stats)
     print_rank_0(training_log_line(**stats))
-    scalars = {"lm-loss": outcome.loss, "learning-rate": lr, "grad-norm": window.last_grad_norm or 0.0}
-    run.tensorboard.scalars(state.iteration, scalars)
+    run.tensorboard.scalars(state.iteration, tensorboard_scalars(run, stats, outcome, window, per_iter))
     window.restart()
+
+
+def tensorboard_scalars(run: TrainingRun, stats: dict, outcome: StepOutcome, window: LogWindow,
+                        per_iter: float) -> dict[str, float]:
+    """The scalars of one log line, under Megatron-LM's TensorBoard names."""
+    log = run.cfg.logging
+    scalars = {"lm-loss": outcome.loss, "learning-rate": stats["lr"], "grad-norm": window.last_grad_norm or 0.0}
+    if stats["num_zeros"] is not None:
+        scalars["num-zeros"] = stats["num_zeros"]
+    if stats["params_norm"] is not None:
+        scalars["params-norm"] = stats["params_norm"]
+    if log.log_memory_to_tensorboard:
+        scalars.update(memory_scalars(run.ctx.platform))
+    if log.log_timers_to_tensorboard:
+        scalars.update({"iteration-time": per_iter, "throughput": stats["tflops_per_device"]})
+    return scalars

@@ -11,6 +11,7 @@ from megatron_weipipe.training.console import print_rank_0
 from megatron_weipipe.training.evaluation import run_validation
 from megatron_weipipe.training.iteration_log import LogWindow, log_iteration
 from megatron_weipipe.training.loop_state import TrainingRun, TrainState
+from megatron_weipipe.training.profiling import StepProfiler
 from megatron_weipipe.training.step import StepOutcome, train_step
 
 
@@ -18,9 +19,12 @@ def train(run: TrainingRun, state: TrainState) -> None:
     """Iterate until ``--train-iters`` or an exit request; then the closing validation and save."""
     t = run.cfg.training
     window = LogWindow()
-    while state.iteration < t.train_iters and not t.skip_train:
+    profiler = StepProfiler.for_run(run.cfg.logging, run.ctx.platform)
+    while state.iteration < t.iterations and not t.skip_train:
+        profiler.before_iteration(state.iteration)
         outcome = train_step(run, state.iteration + 1)
         count_iteration(state, outcome, t.global_batch_size)
+        profiler.after_iteration(state.iteration)
         window.add(outcome)
         if state.iteration % run.cfg.logging.log_interval == 0:
             log_iteration(run, state, outcome, window)
@@ -34,6 +38,7 @@ def train(run: TrainingRun, state: TrainState) -> None:
         if reason:
             announce_exit(run, state, reason)
             break
+    profiler.close()
     finish(run, state)
 
 

@@ -42,6 +42,8 @@ def training_log_line(
     nan_iterations: int,
     mem_gb: float,
     bytes_sent: dict[str, int] | None,
+    num_zeros: float | None = None,
+    params_norm: float | None = None,
 ) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [
@@ -58,6 +60,10 @@ def training_log_line(
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
+    if num_zeros is not None:
+        parts.append(f"num zeros: {num_zeros}")
+    if params_norm is not None:
+        parts.append(f"params norm: {params_norm:.3f}")
     parts.append(f"number of skipped iterations: {skipped:3d}")
     parts.append(f"number of nan iterations: {nan_iterations:3d}")
     parts.append(f"mem (GB): {mem_gb:.2f}")
@@ -65,6 +71,22 @@ def training_log_line(
         moved = " ".join(f"{k}={format_bytes(v)}" for k, v in sorted(bytes_sent.items()) if v)
         parts.append(f"sent/rank/iter: {moved or '0B'}")
     return " | ".join(parts) + " |"
+
+
+def memory_scalars(platform) -> dict[str, float]:
+    """``--log-memory-to-tensorboard``: Megatron-LM's figures of ``torch.cuda.memory_stats``
+    on CUDA (host-side allocator counters, no device sync); the peak resident set on a CPU host."""
+    if platform.is_cuda:
+        import torch
+
+        stats = torch.cuda.memory_stats()
+        keys = {"mem-reserved-bytes": "reserved_bytes.all.current",
+                "mem-allocated-bytes": "allocated_bytes.all.current",
+                "mem-max-allocated-bytes": "allocated_bytes.all.peak",
+                "mem-allocated-count": "allocation.all.current"}
+        return {name: float(stats.get(key, 0)) for name, key in keys.items()}
+    gb, _ = platform.peak_memory_gb()
+    return {"mem-peak-rss-bytes": gb * 1e9}
 
 
 class TensorBoardWriter:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_weipipe.config import PretrainConfig
@@ -23,18 +23,26 @@ def optimizer_config(cfg: PretrainConfig) -> OptimizerConfig:
         adam_beta2=t.adam_beta2,
         adam_eps=t.adam_eps,
         sgd_momentum=t.sgd_momentum,
+        # megatron-core gives the is_embedding_or_output_parameter weights their own group and schedule
+        decoupled_lr=t.decoupled_lr,
+        decoupled_min_lr=t.decoupled_min_lr,
         clip_grad=t.clip_grad,
         bf16=t.bf16 and half,
         fp16=t.fp16 and half,
         params_dtype=torch.bfloat16 if t.bf16 and half else (torch.float16 if t.fp16 and half else torch.float32),
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         initial_loss_scale=2**16,
+        log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
     )
 
 
 def build_optimizer(cfg: PretrainConfig, model_chunks):
+    """Megatron-LM's parameter groups: no weight decay on biases and 1-D weights, and
+    --decoupled-lr's group of the embedding and output layer."""
     use_device_grad_norm()
-    return get_megatron_optimizer(optimizer_config(cfg), model_chunks, use_gloo_process_groups=False)
+    config = optimizer_config(cfg)
+    return get_megatron_optimizer(config, model_chunks, config_overrides=get_standard_config_overrides(config),
+                                  use_gloo_process_groups=False)
 
 
 def _device_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -57,21 +65,21 @@ def use_device_grad_norm() -> None:
 
 
 def build_scheduler(cfg: PretrainConfig, optimizer) -> OptimizerParamScheduler:
-    """Iteration-based schedule expressed in samples, as Megatron-LM does."""
+    """The schedule counted in samples, as Megatron-LM's get_optimizer_param_scheduler counts
+    it: iteration-based lengths times the global batch, or --train-samples' own."""
     t = cfg.training
-    gbs = t.global_batch_size
-    decay_iters = t.lr_decay_iters or t.train_iters
+    warmup = t.lr_warmup_steps
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if t.warmup_iters > 0 else t.lr,
+        init_lr=0.0 if warmup > 0 else t.lr,
         max_lr=t.lr,
         min_lr=t.min_lr,
-        lr_warmup_steps=t.warmup_iters * gbs,
-        lr_decay_steps=max(decay_iters, 1) * gbs,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=t.lr_decay_steps,
         lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay,
         end_wd=t.weight_decay,
-        wd_incr_steps=max(t.train_iters, 1) * gbs,
+        wd_incr_steps=t.wd_incr_steps,
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False,

@@ -34,7 +34,7 @@ def pretrain(
     after_backward: Optional[Callable[[int, TrainSchedule], None]] = None,
     on_log: Optional[Callable[[dict], None]] = None,
 ) -> TrainState:
-    """Train ``cfg.training.train_iters`` iterations; returns the final state (losses per iteration).
+    """Train ``cfg.training.iterations`` iterations; returns the final state (losses per iteration).
 
     ``model_provider(cfg, vocab_size, pre_process, post_process, vp_stage=None)`` builds one
     stage; ``forward_step(data_iterator, model)`` is Megatron-LM's forward step.

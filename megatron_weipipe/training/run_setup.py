@@ -86,11 +86,13 @@ def _data_iterators(cfg: PretrainConfig, ctx: RunContext, schedule: TrainSchedul
     and this rank's microbatches per iteration."""
     t = cfg.training
     gbs = t.global_batch_size
-    eval_runs = t.train_iters // t.eval_interval + 1
-    num_samples = [t.train_iters * gbs, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
+    eval_runs = t.iterations // t.eval_interval + 1
+    # Megatron-LM's train_valid_test_num_samples: a sample-based run's dataset holds --train-samples
+    train_samples = t.iterations * gbs if t.train_samples is None else t.train_samples
+    num_samples = [train_samples, eval_runs * t.eval_iters * gbs, t.eval_iters * gbs]
     train_ds, valid_ds, _ = hooks.datasets_provider(cfg.data, tokenizer, num_samples)
     data_rank, data_size, n_microbatches = schedule.data_shard()
-    if train_ds is None and t.train_iters > 0 and not t.skip_train:
+    if train_ds is None and t.iterations > 0 and not t.skip_train:
         raise ValueError(f"--split {cfg.data.split} leaves no training data")
 
     def loader(dataset, consumed: int, num_workers: int):

@@ -40,6 +40,7 @@ class StepOutcome:
     nan: bool  # a NaN/Inf loss or gradient norm was seen
     signal_received: bool  # some rank got SIGTERM
     duration_passed: bool  # --exit-duration-in-mins has passed (rank 0's clock)
+    num_zeros: Optional[float] = None  # zero gradient entries (--log-num-zeros-in-grad, log iterations only)
 
 
 def next_microbatches(iterator, n: int) -> list[dict]:
@@ -64,12 +65,12 @@ def train_step(run: TrainingRun, iteration: int) -> StepOutcome:
     faults.set_phase("optimizer step", iteration)
     if reduced.bad:
         _on_nan_loss(run, iteration, values, result.has_loss)
-    stepped, grad_norm = False, None
+    stepped, grad_norm, num_zeros = False, None, None
     if not reduced.bad or not run.cfg.training.check_for_nan_in_loss_and_grad:
-        stepped, grad_norm = _step_optimizer(run, iteration)
+        stepped, grad_norm, num_zeros = _step_optimizer(run, iteration)
     if stepped:
         run.scheduler.step(increment=run.cfg.training.global_batch_size)
-    return _outcome(reduced, stepped, grad_norm)
+    return _outcome(reduced, stepped, grad_norm, num_zeros)
 
 
 def _exit_flags(run: TrainingRun) -> list[float]:
@@ -91,20 +92,23 @@ def _on_nan_loss(run: TrainingRun, iteration: int, values, has_loss: bool) -> No
     print_rank_0(f"WARNING: {msg}: step skipped")
 
 
-def _step_optimizer(run: TrainingRun, iteration: int) -> tuple[bool, Optional[float]]:
-    """The optimizer step; a NaN/Inf gradient norm vetoes it, then warns or raises as configured."""
-    t = run.cfg.training
+def _step_optimizer(run: TrainingRun, iteration: int) -> tuple[bool, Optional[float], Optional[float]]:
+    """The optimizer step; a NaN/Inf gradient norm vetoes it, then warns or raises as configured.
+    Zeros are counted only for a log line that shows them (the count reads a value back)."""
+    t, log = run.cfg.training, run.cfg.logging
+    count_zeros = log.log_num_zeros_in_grad and iteration % log.log_interval == 0
     with run.schedule.trace_span("optimizer"):
-        stepped, grad_norm = optimizer_step(run.optimizer, t.clip_grad)
+        stepped, grad_norm, num_zeros = optimizer_step(run.optimizer, t.clip_grad, count_zeros)
     if grad_norm is not None and not math.isfinite(grad_norm) and t.check_for_nan_in_loss_and_grad:
         msg = f"NaN/Inf gradient norm at iteration {iteration}"
         if not t.skip_nan_steps:
             raise nan_error(msg)
         print_rank_0(f"WARNING: {msg}: step skipped")
-    return stepped, grad_norm
+    return stepped, grad_norm, num_zeros
 
 
-def _outcome(reduced: ReducedLosses, stepped: bool, grad_norm: Optional[float]) -> StepOutcome:
+def _outcome(reduced: ReducedLosses, stepped: bool, grad_norm: Optional[float],
+             num_zeros: Optional[float]) -> StepOutcome:
     signal_received, duration_passed = reduced.flags
     mean = reduced.mean
     return StepOutcome(
@@ -114,25 +118,29 @@ def _outcome(reduced: ReducedLosses, stepped: bool, grad_norm: Optional[float]) 
         nan=bool(reduced.bad) or (grad_norm is not None and not math.isfinite(grad_norm)),
         signal_received=bool(signal_received),
         duration_passed=bool(duration_passed),
+        num_zeros=num_zeros,
     )
 
 
-def optimizer_step(optimizer, clip_grad: float) -> tuple[bool, Optional[float]]:
-    """megatron-core's ChainedOptimizer.step, split so a NaN/Inf norm can veto the update."""
+def optimizer_step(optimizer, clip_grad: float,
+                   count_zeros: bool = False) -> tuple[bool, Optional[float], Optional[float]]:
+    """megatron-core's ChainedOptimizer.step, split so a NaN/Inf norm can veto the update: the
+    same (stepped, grad norm, zeros in the clipped gradients or None) it returns."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     found_inf = optimizer.prepare_grads()
     if found_inf:  # fp16 loss-scale overflow: megatron-core's own skip
-        return False, None
+        return False, None, None
     grad_norm = optimizer.get_grad_norm()
     if grad_norm is None or not math.isfinite(grad_norm):
-        return False, float("nan")
+        return False, float("nan"), None
     if clip_grad > 0:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             params = opt.get_parameters()
             if params and not getattr(opt, "is_stub_optimizer", False):
                 clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
-    return optimizer.step_with_ready_grads(), grad_norm
+    num_zeros = optimizer.count_zeros() if count_zeros else None
+    return optimizer.step_with_ready_grads(), grad_norm, num_zeros
 
 
 def nan_error(msg: str) -> NaNError:

@@ -34,6 +34,8 @@ class LlamaShape:
     max_position_embeddings: int
     rope_scaling_factor: Optional[float] = None  # Llama-3.1 scaling when set
     model_type: str = "llama"
+    # --apply-layernorm-1p: megatron-core keeps each norm weight as (Hugging Face's weight - 1)
+    zero_centered_norms: bool = False
 
 
 def _rope(config: dict) -> tuple[float, Optional[dict]]:
@@ -115,6 +117,8 @@ def model_flags(s: LlamaShape, tp: int = 1) -> list[str]:
         flags.append("--untie-embeddings-and-output-weights")
     if s.rope_scaling_factor is not None:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", s.rope_scaling_factor]
+    if s.zero_centered_norms:
+        flags.append("--apply-layernorm-1p")
     return [str(f) for f in flags]
 
 
@@ -127,12 +131,21 @@ def _get(tensors: dict, name: str, shape: tuple) -> torch.Tensor:
     return t
 
 
+def _shifted(t: torch.Tensor, by: float) -> torch.Tensor:
+    """A norm weight between Hugging Face's form and the zero-centred one (by = -1 or +1; 0: as is)."""
+    return t + by if by else t
+
+
 def hf_to_mcore(s: LlamaShape, tensors: dict, padded_vocab: int) -> dict:
     """megatron-core GPTModel state dict (local layer spec) from Hugging Face tensors."""
     h, d, nq, nkv, f = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.ffn_hidden_size
     if nq % nkv:
         raise ConversionError(f"num_attention_heads {nq} is not a multiple of num_key_value_heads {nkv}")
     out = {}
+    shift = 1.0 if s.zero_centered_norms else 0.0
+
+    def norm(name):
+        return _shifted(_get(tensors, name, (h,)), -shift)
 
     def pad(t):
         return torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])]) if padded_vocab > t.shape[0] else t
@@ -152,12 +165,12 @@ def hf_to_mcore(s: LlamaShape, tensors: dict, padded_vocab: int) -> dict:
             out[mc + "self_attention.linear_qkv.bias"] = torch.cat(
                 [qb.reshape(nkv, -1), kb.reshape(nkv, d), vb.reshape(nkv, d)], dim=1).reshape(-1)
         out[mc + "self_attention.linear_proj.weight"] = _get(tensors, hf + "self_attn.o_proj.weight", (h, nq * d))
-        out[mc + "input_layernorm.weight"] = _get(tensors, hf + "input_layernorm.weight", (h,))
-        out[mc + "pre_mlp_layernorm.weight"] = _get(tensors, hf + "post_attention_layernorm.weight", (h,))
+        out[mc + "input_layernorm.weight"] = norm(hf + "input_layernorm.weight")
+        out[mc + "pre_mlp_layernorm.weight"] = norm(hf + "post_attention_layernorm.weight")
         out[mc + "mlp.linear_fc1.weight"] = torch.cat(
             [_get(tensors, hf + "mlp.gate_proj.weight", (f, h)), _get(tensors, hf + "mlp.up_proj.weight", (f, h))])
         out[mc + "mlp.linear_fc2.weight"] = _get(tensors, hf + "mlp.down_proj.weight", (h, f))
-    out["decoder.final_layernorm.weight"] = _get(tensors, "model.norm.weight", (h,))
+    out["decoder.final_layernorm.weight"] = norm("model.norm.weight")
     if not s.tied:
         out["output_layer.weight"] = pad(_get(tensors, "lm_head.weight", (s.vocab_size, h)))
     return out
@@ -167,6 +180,7 @@ def mcore_to_hf(s: LlamaShape, state: dict) -> dict:
     """Hugging Face tensors from a megatron-core GPTModel state dict (inverse of hf_to_mcore)."""
     h, d, nq, nkv, f, vocab = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads, s.ffn_hidden_size, s.vocab_size
     per = nq // nkv * d
+    shift = 1.0 if s.zero_centered_norms else 0.0
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab]}
     for i in range(s.num_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -180,12 +194,12 @@ def mcore_to_hf(s: LlamaShape, state: dict) -> dict:
             out[hf + "self_attn.k_proj.bias"] = b[:, per:per + d].reshape(-1)
             out[hf + "self_attn.v_proj.bias"] = b[:, per + d:].reshape(-1)
         out[hf + "self_attn.o_proj.weight"] = state[mc + "self_attention.linear_proj.weight"]
-        out[hf + "input_layernorm.weight"] = state[mc + "input_layernorm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = state[mc + "pre_mlp_layernorm.weight"]
+        out[hf + "input_layernorm.weight"] = _shifted(state[mc + "input_layernorm.weight"], shift)
+        out[hf + "post_attention_layernorm.weight"] = _shifted(state[mc + "pre_mlp_layernorm.weight"], shift)
         fc1 = state[mc + "mlp.linear_fc1.weight"]
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
         out[hf + "mlp.down_proj.weight"] = state[mc + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
+    out["model.norm.weight"] = _shifted(state["decoder.final_layernorm.weight"], shift)
     if not s.tied:
         out["lm_head.weight"] = state["output_layer.weight"][:vocab]
     return {k: v.contiguous().clone() for k, v in out.items()}
@@ -219,6 +233,8 @@ def shape_from_flags(flags: list[str], vocab_size: int) -> LlamaShape:
                               "--position-embedding-type rope)")
     if "--disable-bias-linear" not in flags:
         raise ConversionError("the checkpoint has linear biases (no --disable-bias-linear): not a Llama layout")
+    if "--qk-layernorm" in flags:
+        raise ConversionError("the checkpoint has query/key norms (--qk-layernorm): Llama checkpoints have none")
     scaling = "--use-rope-scaling" in flags
     return LlamaShape(
         num_layers=int(value("--num-layers")), hidden_size=hidden, ffn_hidden_size=int(value("--ffn-hidden-size")),
@@ -229,5 +245,6 @@ def shape_from_flags(flags: list[str], vocab_size: int) -> LlamaShape:
         max_position_embeddings=int(value("--max-position-embeddings", value("--seq-length", 4096))),
         rope_scaling_factor=float(value("--rope-scaling-factor", 8.0)) if scaling else None,
         model_type="qwen2" if "--add-qkv-bias" in flags else "llama",
+        zero_centered_norms="--apply-layernorm-1p" in flags,
     )
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from megatron_weipipe.config import ATTENTION_BACKENDS
+from megatron_weipipe.model_config import ATTENTION_BACKENDS
 from megatron_weipipe.schedules import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -34,7 +34,8 @@ def read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as f:
+        text = f.read().strip()
     if text == "release":
         return 0
     try:

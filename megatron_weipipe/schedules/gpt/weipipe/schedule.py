@@ -131,9 +131,9 @@ class WeiPipeSchedule(TrainSchedule):
 
     def _finish_grads(self) -> None:
         """Replicas summed over the ring, every data-parallel reduction finished, then the
-        sequence-parallel norms' TP sum."""
+        sequence-parallel norms' and the query/key norms' TP sum."""
         self.grad_sync.finish()
-        if self.model.config.sequence_parallel:
+        if self.model.config.sequence_parallel or self.model.config.qk_layernorm:
             from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
             _allreduce_non_tensor_model_parallel_grads(self.model_chunks, self.model.config, self.groups.tensor)
