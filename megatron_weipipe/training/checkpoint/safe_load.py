@@ -29,6 +29,8 @@ import io
 import json
 import os
 import pickle
+import re
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -36,6 +38,10 @@ import torch
 _METADATA = ".metadata"
 _COMMON = "common.pt"
 _COMMON_OBJECT = "common_state/"  # key prefix of the common state inside .distcp (0.17+)
+# What torch.distributed.checkpoint.load says on every ``no_dist=True`` read, though that
+# argument already states the intent: each rank reads the files on its own.
+SINGLE_PROCESS_NOTICE = ("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+                         "load in a single process.")
 _MODULES = (
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.planner",
@@ -165,8 +171,10 @@ def _load_common_object(checkpoint_dir: str, key: str) -> dict:
             raw[read_item.dest_index.fqn] = value.getvalue()
 
     try:
-        load({key: io.BytesIO()}, storage_reader=_MetadataAsData(checkpoint_dir),
-             planner=_RawBytes(flatten_state_dict=False), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape(SINGLE_PROCESS_NOTICE) + "$", category=UserWarning)
+            load({key: io.BytesIO()}, storage_reader=_MetadataAsData(checkpoint_dir),
+                 planner=_RawBytes(flatten_state_dict=False), no_dist=True)
         with torch.serialization.safe_globals([io.BytesIO]):  # dcp pickles the object's BytesIO
             loaded = torch.load(io.BytesIO(raw[key]), map_location="cpu", weights_only=True)
         if isinstance(loaded, io.BytesIO):  # inside it, megatron-core's torch.save of the state

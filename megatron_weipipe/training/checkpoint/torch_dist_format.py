@@ -13,7 +13,10 @@ and common-state reader.
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import re
+import warnings
 from abc import abstractmethod
 from typing import Callable, Optional
 
@@ -26,6 +29,21 @@ from megatron_weipipe.training.checkpoint.state_format import (StateFormat, Trai
                                                               rng_streams)
 
 DDP_MODE = "ddp"
+# (category, message) of the torch notices megatron-core's torch_dist reader raises from its
+# own code, with no call of ours that avoids them: up to 0.16 it reads through the deprecated
+# torch.distributed.checkpoint.load_state_dict; 0.19 calls ``load`` with positional
+# arguments and ``no_dist=True``; and it hands torch the tensors it stacks along a prepended
+# layer axis (every ``decoder.layers.*`` tensor and its optimizer state) as torch's legacy
+# ShardedTensor, which warns when torch's load planner reads its device. The files read and
+# the values loaded are the same either way.
+_MCORE_READER_NOTICES = (
+    (FutureWarning, "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` "
+                    "instead."),
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor."),
+    (UserWarning, "The argument order of load has been changed. Please check the document to avoid future "
+                  "breakages."),
+    (UserWarning, safe_load.SINGLE_PROCESS_NOTICE),
+)
 _PLAIN_FP32 = {"distributed": False, "precision": "fp32"}  # what a layout without an optimizer entry saved
 
 # (top-level key, sharded request, apply(loaded value)) of the optimizer part of a load
@@ -145,10 +163,20 @@ def _read(sharded: dict, path: str) -> dict:
     """megatron-core's load of ``sharded`` from ``path``, reading every file as data only."""
     from megatron.core import dist_checkpointing
 
-    with safe_load.safe_byte_objects():
+    with safe_load.safe_byte_objects(), _without_reader_notices():
         common_kwargs = {"common_strategy": safe_load.common_strategy()} \
             if mcore_versions.load_takes_common_strategy() else {}
         return dist_checkpointing.load(sharded, path, **common_kwargs)
+
+
+@contextlib.contextmanager
+def _without_reader_notices():
+    """Drop exactly megatron-core's reader notices (``_MCORE_READER_NOTICES``) while it reads;
+    every other warning is shown as before."""
+    with warnings.catch_warnings():
+        for category, notice in _MCORE_READER_NOTICES:
+            warnings.filterwarnings("ignore", message=re.escape(notice) + "$", category=category)
+        yield
 
 
 class PlainOptimizerFormat(TorchDistFormat):
