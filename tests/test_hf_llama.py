@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from harness import run_distributed  # noqa: E402
+from harness.hf_llama import hf_llama_sizes  # noqa: E402
 from harness.runs import REPO_ROOT  # noqa: E402
 
 from tools.checkpoint.hf_llama import ConversionError, hf_to_mcore, mcore_to_hf, model_flags, shape_from_hf, vocab_divisor  # noqa: E402,E501
@@ -190,23 +191,7 @@ def test_tensor_mapping_round_trips(variant):
            "mha": _config(num_key_value_heads=4)}[variant]
     shape = shape_from_hf(cfg)
     g = torch.Generator().manual_seed(1)
-    h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
-    tensors = {"model.embed_tokens.weight": (VOCAB, h), "model.norm.weight": (h,)}
-    if not shape.tied:
-        tensors["lm_head.weight"] = (VOCAB, h)
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        tensors.update({p + "self_attn.q_proj.weight": (shape.num_heads * d, h),
-                        p + "self_attn.k_proj.weight": (shape.num_kv_heads * d, h),
-                        p + "self_attn.v_proj.weight": (shape.num_kv_heads * d, h),
-                        p + "self_attn.o_proj.weight": (h, shape.num_heads * d), p + "input_layernorm.weight": (h,),
-                        p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (f, h),
-                        p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
-        if shape.qkv_bias:
-            tensors.update({p + "self_attn.q_proj.bias": (shape.num_heads * d,),
-                            p + "self_attn.k_proj.bias": (shape.num_kv_heads * d,),
-                            p + "self_attn.v_proj.bias": (shape.num_kv_heads * d,)})
-    tensors = {k: torch.randn(s, generator=g) for k, s in tensors.items()}
+    tensors = {k: torch.randn(s, generator=g) for k, s in hf_llama_sizes(shape, VOCAB).items()}
     state = hf_to_mcore(shape, tensors, padded_vocab=256)
     assert state["embedding.word_embeddings.weight"].shape[0] == 256
     assert ("output_layer.weight" in state) != shape.tied

@@ -213,20 +213,11 @@ HF = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_l
 
 
 def _hf_tensors(shape) -> dict:
+    from harness.hf_llama import hf_llama_sizes
+
     g = torch.Generator().manual_seed(3)
-    h, d, f = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size
-    sizes = {"model.embed_tokens.weight": (shape.vocab_size, h), "model.norm.weight": (h,),
-             "lm_head.weight": (shape.vocab_size, h)}
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        sizes.update({p + "self_attn.q_proj.weight": (shape.num_heads * d, h),
-                      p + "self_attn.k_proj.weight": (shape.num_kv_heads * d, h),
-                      p + "self_attn.v_proj.weight": (shape.num_kv_heads * d, h),
-                      p + "self_attn.o_proj.weight": (h, shape.num_heads * d), p + "input_layernorm.weight": (h,),
-                      p + "post_attention_layernorm.weight": (h,), p + "mlp.gate_proj.weight": (f, h),
-                      p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
     return {k: (1 + 0.3 * torch.randn(s, generator=g)) if "norm" in k else 0.3 * torch.randn(s, generator=g)
-            for k, s in sizes.items()}
+            for k, s in hf_llama_sizes(shape, shape.vocab_size).items()}
 
 
 def _converted_logits(rank, world_size):
