@@ -35,7 +35,7 @@ RUN --mount=type=secret,id=pip_cert --mount=type=secret,id=pip_conf \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
     if [ -s /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi; \
     if [ -n "$TORCH" ]; then pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH"; fi && \
-    pip install "megatron-core>=0.16,<0.20" regex psutil numpy tokenizers sentencepiece pytest pytest-timeout
+    pip install "megatron-core>=0.16,<0.20" regex psutil numpy einops tokenizers sentencepiece pytest pytest-timeout
 
 WORKDIR /workspace/megatron_weipipe
 COPY . .

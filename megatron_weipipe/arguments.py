@@ -31,6 +31,8 @@ from megatron_weipipe.megatron_compat import MegatronCompatConfig
 log = logging.getLogger(__name__)
 SEQUENCE_PARALLEL_OFF = ("warning: disabling --sequence-parallel because --tensor-model-parallel-size is 1 "
                          "(as Megatron-LM does)")
+OVERLAP_P2P_OFF = ("warning: disabling --overlap-p2p-comm because there are no virtual pipeline stages (as "
+                   "Megatron-LM does: only the interleaved schedule overlaps its point-to-point communication)")
 
 # (PretrainConfig field, its dataclass, argument-group title), in --help order.
 SECTIONS = (
@@ -83,8 +85,9 @@ def resolve_defaults(cfg: PretrainConfig) -> PretrainConfig:
     from megatron_weipipe.schedules import registry
 
     resolved = cfg.with_derived_defaults(registry.schedule_name(cfg))
-    if cfg.parallel.sequence_parallel and not resolved.parallel.sequence_parallel and launcher_rank() == 0:
-        log.warning(SEQUENCE_PARALLEL_OFF)
+    for name, line in (("sequence_parallel", SEQUENCE_PARALLEL_OFF), ("overlap_p2p_comm", OVERLAP_P2P_OFF)):
+        if getattr(cfg.parallel, name) and not getattr(resolved.parallel, name) and launcher_rank() == 0:
+            log.warning(line)
     return resolved
 
 

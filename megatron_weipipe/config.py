@@ -19,6 +19,7 @@ from megatron_weipipe.flags import option
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
 from megatron_weipipe.model_config import ModelConfig
+from megatron_weipipe.parallel_config import ParallelConfig
 
 # --lr-decay-style: the styles megatron-core's OptimizerParamScheduler runs with the flags
 # this trainer has (its WSD style needs wsd_decay_steps, which no flag sets).
@@ -50,45 +51,6 @@ def one_of(choices) -> str:
     """``a, b or c``: the accepted values in a help text or an error."""
     items = [str(c) for c in choices]
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = option(1, help="tensor-parallel size (TP)")
-    pipeline_model_parallel_size: int = option(1, help="pipeline-parallel size (PP): the 1F1B pipeline or the "
-                                                       "WeiPipe ring")
-    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
-        None, help="layers per virtual stage (interleaved 1F1B)")
-    context_parallel_size: int = option(1, help="context-parallel size (CP): Ulysses/FPDT over the sequence")
-    pipeline_schedule: Optional[str] = option(
-        None, help="pipeline schedule, one of those listed at the end of --help (default: none at PP=1, "
-                   "interleaved with virtual stages, else 1f1b)")
-    sequence_parallel: bool = option(False, help="Megatron sequence parallelism; turned off with a warning at "
-                                                 "--tensor-model-parallel-size 1, as Megatron-LM does")
-    use_distributed_optimizer: bool = option(False, help="shard optimizer state over data-parallel ranks")
-    use_torch_fsdp2: bool = option(False, help="torch FSDP2 (fully_shard per transformer layer, then the model): "
-                                              "parameters, gradients and optimizer state sharded over data x "
-                                              "context parallel ranks (docs/how-it-works/fsdp.md)")
-    overlap_grad_reduce: bool = option(False, help="overlap the gradient all-reduce with backward")
-    distributed_backend: Optional[str] = option(None, choices=("nccl", "gloo"),
-                                                help="process-group backend (default: nccl on GPU hosts, gloo "
-                                                     "on CPU hosts)")
-    distributed_timeout_minutes: int = option(10, help="timeout of collectives")
-    weipipe_grad_dtype: str = option("fp32", choices=("fp32", "bf16"),
-                                     help="dtype of WeiPipe's circulating gradients")
-
-    def validate(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
-
-    def virtual_pipeline_size(self, num_layers: int) -> Optional[int]:
-        if self.num_layers_per_virtual_pipeline_stage is None:
-            return None
-        return num_layers // (self.pipeline_model_parallel_size * self.num_layers_per_virtual_pipeline_stage)
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
 
 @dataclass
@@ -136,6 +98,16 @@ class TrainingConfig:
         help="do not stop on a NaN/Inf loss or gradient norm")
     skip_nan_steps: bool = option(False, help="skip an optimizer step whose loss or grad is NaN/Inf")
     deterministic: bool = option(False, flag="--deterministic-mode", help="deterministic algorithms only")
+    manual_gc: bool = option(False, help="Python's automatic garbage collection off while training; collect at "
+                                         "--manual-gc-interval and around evaluation, at the same step on every rank")
+    manual_gc_interval: int = option(0, help="with --manual-gc: collect every this many iterations (0: only at the "
+                                             "start and around evaluation)")
+    manual_gc_eval: bool = option(True, flag="--no-manual-gc-eval", inverted=True,
+                                  help="with --manual-gc: no collection at the start and end of each evaluation")
+    empty_unused_memory_level: int = option(0, choices=(0, 1, 2),
+                                            help="empty the CUDA caching allocator: 1 after each forward/backward "
+                                                 "and evaluation step, 2 also after each optimizer step (nothing "
+                                                 "on a CPU host)")
 
     def validate(self) -> None:
         require(self.micro_batch_size > 0, "--micro-batch-size must be positive")
@@ -147,6 +119,7 @@ class TrainingConfig:
         require(self.optimizer in ("adam", "sgd"), f"--optimizer must be adam or sgd, not {self.optimizer!r}")
         require(self.eval_interval > 0, "--eval-interval must be positive")
         require(self.clip_grad >= 0, "--clip-grad must be non-negative")
+        require(self.manual_gc_interval >= 0, "--manual-gc-interval must be non-negative")
         self._validate_decoupled_lr()
         if self.train_samples is not None:
             self._validate_sample_based()
@@ -336,7 +309,8 @@ class PretrainConfig:
 
     def with_derived_defaults(self, schedule_name: str) -> "PretrainConfig":
         """A copy with every default that depends on other values filled in: the global
-        batch, the schedule, sequence parallelism (off at TP 1), and the data's sequence length and seed."""
+        batch, the schedule, what Megatron-LM turns off (ParallelConfig.resolved), and the data's
+        sequence length and seed."""
         t, mp = self.training, self.parallel.model_parallel_size
         gbs = t.global_batch_size
         if gbs is None and mp > 0 and self.world_size % mp == 0:
@@ -344,10 +318,7 @@ class PretrainConfig:
         return replace(
             self,
             training=replace(t, global_batch_size=gbs),
-            # Megatron-LM turns --sequence-parallel off at TP 1 (arguments.resolve_defaults warns)
-            parallel=replace(self.parallel, pipeline_schedule=schedule_name,
-                             sequence_parallel=(self.parallel.sequence_parallel
-                                                and self.parallel.tensor_model_parallel_size > 1)),
+            parallel=self.parallel.resolved(schedule_name),
             data=replace(self.data, seq_length=self.model.seq_length, seed=t.seed,
                          # Ulysses/FPDT take document offsets computed in the forward step, never [s, s].
                          create_attention_mask=self.data.reset_attention_mask and not self._long_context()),
@@ -370,6 +341,10 @@ class PretrainConfig:
                 f"world size ({self.world_size}) must be divisible by tensor x pipeline x context "
                 f"parallel size ({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
                 f"{p.context_parallel_size} = {p.model_parallel_size})")
+        p.validate_data_parallel_size(self.data_parallel_size)
+        require(not (p.tp_comm_overlap and t.deterministic),
+                "--tp-comm-overlap cannot be combined with --deterministic-mode (the overlapped collectives' order "
+                "is not reproducible), as in Megatron-LM")
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         require(m.num_layers % pp == 0,
                 f"--num-layers ({m.num_layers}) must be divisible by --pipeline-model-parallel-size ({pp})")

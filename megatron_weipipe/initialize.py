@@ -58,11 +58,16 @@ def initialize_distributed(cfg: PretrainConfig) -> RunContext:
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(cfg.model.num_layers),
         context_parallel_size=p.context_parallel_size,
+        # the partial distributed optimizer's intra- and inter-instance data-parallel groups
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         distributed_timeout_minutes=p.distributed_timeout_minutes,
         create_gloo_process_groups=False,
     )
     groups = ParallelGroups.from_parallel_state()
     set_random_seed(cfg.training.seed, groups)
+    from megatron_weipipe.model.tp_overlap import initialize_userbuffers
+
+    initialize_userbuffers(cfg, platform, dist.get_rank())  # --tp-comm-overlap, before any model is built
     return RunContext(groups=groups, platform=platform, bytes=counter)
 
 

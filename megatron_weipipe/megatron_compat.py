@@ -47,14 +47,12 @@ class MegatronCompatConfig:
     no_gradient_accumulation_fusion: bool = _noop("kernel fusion")
     cross_entropy_loss_fusion: bool = _noop("kernel fusion")
     no_async_tensor_model_parallel_allreduce: bool = _noop("communication overlap")
-    tp_comm_overlap: bool = _noop("communication overlap (Transformer Engine)")
-    overlap_param_gather: bool = _noop("communication overlap of the distributed optimizer's all-gather")
+    no_overlap_p2p_communication: bool = _noop("point-to-point communication is overlapped only with "
+                                               "--overlap-p2p-comm (Megatron-LM overlaps it by default with "
+                                               "virtual stages)")
     accumulate_allreduce_grads_in_fp32: bool = _noop("gradients are always reduced in fp32 here")
     recompute_activations: bool = _noop("selective recomputation saves GPU memory; use --recompute-granularity "
                                         "full to recompute here")
-    manual_gc: bool = _noop("Python garbage-collection timing")
-    manual_gc_interval: int = _noop("Python garbage-collection timing", default=0)
-    empty_unused_memory_level: int = _noop("CUDA caching-allocator handling", default=0)
     no_create_attention_mask_in_dataloader: bool = _noop("causal masks are built by the model")
     no_mmap_bin_files: bool = _noop("how the indexed dataset is read")
     ckpt_fully_parallel_save: bool = _noop("checkpoint writing strategy")

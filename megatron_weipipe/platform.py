@@ -102,6 +102,12 @@ class Platform:
         rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss_kb * (1 if sys.platform == "darwin" else 1024) / 1e9, "peak RSS"
 
+    def empty_cache(self) -> None:
+        """Hand the CUDA caching allocator's unused blocks back to the driver
+        (``--empty-unused-memory-level``); a CPU host has no such cache."""
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
     def rng_streams(self, *, host: bool = False, tracker=None) -> "RNGStreams":
         return RNGStreams(self, host=host, tracker=tracker)
 

@@ -37,6 +37,8 @@ MEGATRON_FLAGS = """
 --log-memory-to-tensorboard --log-timers-to-tensorboard --profile --use-pytorch-profiler
 --profile-step-start --profile-step-end --profile-ranks --dist-ckpt-optim-fully-reshardable --use-rope-scaling
  --rope-scaling-factor --allow-unverified-gpu-paths --offload-layer-inputs
+--num-distributed-optimizer-instances --overlap-param-gather --overlap-p2p-comm --tp-comm-overlap
+--manual-gc --manual-gc-interval --no-manual-gc-eval --empty-unused-memory-level
 """.split()
 
 

@@ -12,6 +12,7 @@ import pytest
 from megatron_weipipe import config as config_module
 from megatron_weipipe import megatron_compat
 from megatron_weipipe import model_config
+from megatron_weipipe import parallel_config
 from megatron_weipipe.arguments import check_config, resolve_defaults
 from megatron_weipipe.config import ConfigError, PretrainConfig
 from megatron_weipipe.model_config import ModelConfig
@@ -25,7 +26,8 @@ from megatron_weipipe.simulator.run_spec import RunSpec, spec_from_config, spec_
 # The sections whose rules run at start-up (the data files' are not checked by the
 # simulator: it runs check_config with check_data=False).
 SECTIONS = ("model", "parallel", "training", "fpdt", "checkpoint", "logging", "megatron")
-RULE_SOURCES = (config_module, model_config, fpdt_config, rules, megatron_compat, ModelShape.validate)
+RULE_SOURCES = (config_module, model_config, parallel_config, fpdt_config, rules, megatron_compat,
+                ModelShape.validate)
 
 # A value other than the default for the fields whose type says too little, with the
 # changes it needs to mean something (a layout with virtual stages needs its schedule).

@@ -92,6 +92,9 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
         deterministic_mode=t.deterministic,
         # gloo pairs sends to the same peer in posting order; unbatched p2p keeps flows apart.
         batch_p2p_comm=False,
+        overlap_p2p_comm=p.overlap_p2p_comm,  # interleaved 1F1B only (ParallelConfig.resolved)
+        # Transformer Engine's userbuffers (model/tp_overlap.py); megatron-core's local layers have none
+        tp_comm_overlap=p.tp_comm_overlap and te_layers,
     )
     if p.num_layers_per_virtual_pipeline_stage is not None:
         kwargs["virtual_pipeline_model_parallel_size"] = p.virtual_pipeline_size(m.num_layers)

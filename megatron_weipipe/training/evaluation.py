@@ -23,6 +23,7 @@ def evaluate(run: TrainingRun) -> Optional[float]:
         for _ in range(run.cfg.training.eval_iters):
             microbatches = next_microbatches(run.valid_iter, run.microbatches_per_iteration)
             result = schedule.forward_backward(run.hooks.forward_step, microbatches, forward_only=True)
+            run.housekeeping.after_evaluation_step()
             contributes = reports_loss(result, run.ctx.groups)
             values += loss_values(result)
     for chunk in schedule.model_chunks:
@@ -32,7 +33,8 @@ def evaluate(run: TrainingRun) -> Optional[float]:
 
 def run_validation(run: TrainingRun, state: TrainState) -> None:
     """Evaluate, count the samples read, print Megatron's validation block and log it."""
-    value = evaluate(run)
+    with run.housekeeping.evaluation():
+        value = evaluate(run)
     state.consumed_valid_samples += run.cfg.training.eval_iters * run.cfg.training.global_batch_size
     if value is None:
         return

@@ -17,6 +17,17 @@ from megatron_weipipe.training.step import StepOutcome, train_step
 
 def train(run: TrainingRun, state: TrainState) -> None:
     """Iterate until ``--train-iters`` or an exit request; then the closing validation and save."""
+    housekeeping = run.housekeeping
+    housekeeping.start()
+    try:
+        _iterate(run, state)
+        housekeeping.stop()
+        finish(run, state)
+    finally:
+        housekeeping.restore()
+
+
+def _iterate(run: TrainingRun, state: TrainState) -> None:
     t = run.cfg.training
     window = LogWindow()
     profiler = StepProfiler.for_run(run.cfg.logging, run.ctx.platform)
@@ -31,6 +42,7 @@ def train(run: TrainingRun, state: TrainState) -> None:
         if run.valid_iter is not None and state.iteration % t.eval_interval == 0:
             faults.set_phase("validation", state.iteration)
             run_validation(run, state)
+        run.housekeeping.after_iteration(state.iteration)
         reason = exit_reason(run, state.iteration, outcome)
         if save_due(run, state.iteration, reason):
             save(run, state)
@@ -39,7 +51,6 @@ def train(run: TrainingRun, state: TrainState) -> None:
             announce_exit(run, state, reason)
             break
     profiler.close()
-    finish(run, state)
 
 
 def count_iteration(state: TrainState, outcome: StepOutcome, global_batch_size: int) -> None:
@@ -93,6 +104,7 @@ def finish(run: TrainingRun, state: TrainState) -> None:
 def save(run: TrainingRun, state: TrainState) -> None:
     """Save the model, optimizer, scheduler and the loop's counters; print where they went."""
     faults.set_phase("checkpoint save", state.iteration)
+    run.housekeeping.before_save()
     t0 = time.time()
     path, written = save_checkpoint(
         run.cfg,

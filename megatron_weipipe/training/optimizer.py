@@ -31,6 +31,7 @@ def optimizer_config(cfg: PretrainConfig) -> OptimizerConfig:
         fp16=t.fp16 and half,
         params_dtype=torch.bfloat16 if t.bf16 and half else (torch.float16 if t.fp16 and half else torch.float32),
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,  # as DDP's (megatron-core reads both)
         initial_loss_scale=2**16,
         log_num_zeros_in_grad=cfg.logging.log_num_zeros_in_grad,
     )

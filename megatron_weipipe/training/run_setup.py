@@ -19,6 +19,7 @@ from megatron_weipipe.shape import padded_vocab_size
 from megatron_weipipe.training.checkpoint.checkpointing import load_checkpoint
 from megatron_weipipe.training.console import print_rank_0
 from megatron_weipipe.training.exit_signal import ExitSignal
+from megatron_weipipe.training.housekeeping import Housekeeping
 from megatron_weipipe.training.loop_state import TrainingHooks, TrainingRun, TrainState
 from megatron_weipipe.training.metrics import TensorBoardWriter, model_flops_per_iteration
 from megatron_weipipe.training.optimizer import build_optimizer, build_scheduler
@@ -46,6 +47,7 @@ def set_up_run(cfg: PretrainConfig, ctx: RunContext, hooks: TrainingHooks, exit_
         flops_per_iteration=model_flops_per_iteration(cfg, vocab),
         tensorboard=TensorBoardWriter(cfg.logging.tensorboard_dir, dist.get_rank() == dist.get_world_size() - 1),
         exit_signal=exit_signal, start_time=start_time,
+        housekeeping=Housekeeping(cfg.training, schedule.param_gather, ctx.platform),
     )
     print_rank_0(f"> setup done in {time.time() - start_time:.1f}s; training from iteration {state.iteration}")
     return run, state

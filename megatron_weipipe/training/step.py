@@ -58,6 +58,7 @@ def train_step(run: TrainingRun, iteration: int) -> StepOutcome:
     schedule.zero_grad()
     optimizer.zero_grad()
     result = schedule.forward_backward(run.hooks.forward_step, microbatches)
+    run.housekeeping.after_forward_backward()
     values = loss_values(result)
     if run.hooks.after_backward is not None:
         run.hooks.after_backward(iteration, schedule)
@@ -70,6 +71,7 @@ def train_step(run: TrainingRun, iteration: int) -> StepOutcome:
         stepped, grad_norm, num_zeros = _step_optimizer(run, iteration)
     if stepped:
         run.scheduler.step(increment=run.cfg.training.global_batch_size)
+    run.housekeeping.after_optimizer_step(stepped)
     return _outcome(reduced, stepped, grad_norm, num_zeros)
 
 

@@ -1,10 +1,9 @@
 """Start-up rules of every schedule: flag combinations it cannot run.
 
 Each rule is ``(cfg, name) -> None`` and raises ConfigError with one sentence naming the
-flag. They read only ``cfg.parallel.pipeline_model_parallel_size``,
-``cfg.parallel.num_layers_per_virtual_pipeline_stage`` and ``cfg.num_microbatches`` of a
-PretrainConfig, so the start-up validation and the simulator run them without torch or a
-model (ConfigError is imported only to be raised). registry.py names the rule of each
+flag. They read only ``cfg.parallel`` and ``cfg.num_microbatches`` of a PretrainConfig,
+so the start-up validation and the simulator run them without torch or a model
+(ConfigError is imported only to be raised). registry.py names the rule of each
 schedule; the TrainSchedule classes reach them through registry.check_config.
 """
 
@@ -54,6 +53,9 @@ def check_weipipe(cfg: "PretrainConfig", name: str) -> None:
         _refuse(f"{flag} needs --pipeline-model-parallel-size >= 2 (the size of the weight ring)")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _refuse(f"{flag} does not take --num-layers-per-virtual-pipeline-stage (one chunk per ring rank)")
+    if p.overlap_param_gather:
+        _refuse(f"{flag} cannot be combined with --overlap-param-gather: the ring sends the owned chunk's updated "
+                "weights when the iteration starts, before any forward a deferred all-gather could overlap")
     if cfg.num_microbatches % P != 0:
         _refuse(
             f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "

@@ -43,6 +43,7 @@ class TrainSchedule(ABC):
         self.name = registry.schedule_name(cfg)  # one class may serve several schedules
         self.model_chunks: list[torch.nn.Module] = []
         self.tracer = None  # per-action Chrome trace (--schedule-trace DIR)
+        self.param_gather = None  # --overlap-param-gather: a DeferredParamGather (param_gather.py)
         trace_dir = getattr(cfg.logging, "schedule_trace", None)
         if trace_dir:
             import torch.distributed as dist

@@ -18,10 +18,15 @@ from megatron_weipipe.schedules.gpt.base import ForwardStep, ModelProvider, Step
 
 
 def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
+    p = cfg.parallel
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+        overlap_param_gather=p.overlap_param_gather,
+        # Megatron-LM: with virtual stages the schedule starts each chunk's gathers (param_sync_func)
+        align_param_gather=p.overlap_param_gather and p.virtual_pipeline_size(cfg.model.num_layers) is not None,
+        num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         check_for_nan_in_grad=False,  # checked by the training loop, with a clearer message
         bucket_size=None,
     )
@@ -41,6 +46,11 @@ def wrap_ddp(cfg: PretrainConfig, chunks: list[torch.nn.Module]) -> list[Distrib
             )
         )
     return wrapped
+
+
+def _one_or_list(funcs: list):
+    """What megatron-core's schedules take for one model chunk, or one per chunk."""
+    return funcs[0] if len(funcs) == 1 else funcs
 
 
 class MegatronSchedule(TrainSchedule):
@@ -78,12 +88,14 @@ class MegatronSchedule(TrainSchedule):
         self.model_chunks = wrap_ddp(self.cfg, chunks)
         config.finalize_model_grads_func = finalize_model_grads
         if self.cfg.parallel.overlap_grad_reduce:
-            config.no_sync_func = [m.no_sync for m in self.model_chunks]
-            if len(self.model_chunks) == 1:
-                config.no_sync_func = config.no_sync_func[0]
-            config.grad_sync_func = [m.start_grad_sync for m in self.model_chunks]
-            if len(self.model_chunks) == 1:
-                config.grad_sync_func = config.grad_sync_func[0]
+            config.no_sync_func = _one_or_list([m.no_sync for m in self.model_chunks])
+            config.grad_sync_func = _one_or_list([m.start_grad_sync for m in self.model_chunks])
+        if self.cfg.parallel.overlap_param_gather:
+            from megatron_weipipe.schedules.gpt.param_gather import DeferredParamGather
+
+            if self.model_chunks[0].ddp_config.align_param_gather:
+                config.param_sync_func = _one_or_list([m.start_param_sync for m in self.model_chunks])
+            self.param_gather = DeferredParamGather(self.model_chunks, config)
         return self.model_chunks
 
     def forward_backward(
