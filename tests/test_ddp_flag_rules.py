@@ -56,6 +56,20 @@ def test_partial_distributed_optimizer_rules():
                                            untie_embeddings_and_output_weights=True)
 
 
+def test_the_dry_run_counts_each_instance_holding_its_own_optimizer_state():
+    from megatron_weipipe.simulator.project import state_bytes
+    from megatron_weipipe.simulator.run_spec import spec_from_config
+
+    def per_param(**flags):
+        cfg = parse_config(tiny_gpt_args(use_distributed_optimizer=True, **flags), world_size=4)
+        state = state_bytes(spec_from_config(cfg))
+        return state.optimizer_shards, state.per_param()
+
+    (shards1, bytes1), (shards2, bytes2) = per_param(), per_param(num_distributed_optimizer_instances=2)
+    assert (shards1, shards2) == (4, 2)
+    assert bytes2 - bytes1 == pytest.approx(8 / 2 - 8 / 4)  # fp32 Adam moments: 8 bytes a parameter
+
+
 def test_overlap_p2p_comm_only_with_virtual_stages(caplog):
     interleaved = parse_config(tiny_gpt_args(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1,
                                              overlap_p2p_comm=True), world_size=2)

@@ -336,7 +336,7 @@ class StateBytes:
     param: int = 2  # compute-dtype weights the model runs on
     grad: int = 4  # megatron-core DDP keeps fp32 main grads
     optimizer: int = 12  # fp32 master + Adam moments (0 extra master when params are fp32)
-    optimizer_shards: int = 1  # distributed optimizer: sharded over data x context parallel ranks
+    optimizer_shards: int = 1  # distributed optimizer: data x context parallel ranks / optimizer instances
     param_shards: int = 1  # ZeRO-3 style: weights and grads sharded too
 
     def per_param(self) -> float:

@@ -140,7 +140,7 @@ def _after_lists(spec: RunSpec, cluster: Cluster, costs: CostModel, trace: Trace
         out.add_wire(cluster, ring, r, group, c.wire_bytes)
     out.phases["data-parallel gradient reduction (slowest rank)"] = max(dp_costs)
     barrier = max(out.end)
-    shards = dp_group_size if spec.distributed_optimizer else 1
+    shards = spec.optimizer_shards if spec.distributed_optimizer else 1
     opt = max(spec.rank_params(r) / shards * costs.optimizer_per_param for r in range(P))
     out.phases["optimizer step (slowest rank)"] = opt
     out.work = tuple(trace.work[r] + spec.rank_params(r) / shards * costs.optimizer_per_param for r in range(P))
@@ -238,7 +238,7 @@ def state_bytes(spec: RunSpec) -> memory.StateBytes:
         return memory.StateBytes(spec.compute_bytes, spec.compute_bytes, 12, optimizer_shards=n, param_shards=n)
     state = memory.state_bytes_for(spec.compute_bytes)
     if spec.distributed_optimizer:
-        return memory.StateBytes(state.param, state.grad, state.optimizer, optimizer_shards=n)
+        return memory.StateBytes(state.param, state.grad, state.optimizer, optimizer_shards=spec.optimizer_shards)
     return state
 
 

@@ -76,6 +76,13 @@ class RunSpec:
         return self.global_batch_size // (self.shape.micro_batch_size * self.layout.dp)
 
     @property
+    def optimizer_shards(self) -> int:
+        """Ranks the distributed optimizer shards its state over: the data x context parallel
+        ranks of one of --num-distributed-optimizer-instances groups (carried in ``config``)."""
+        instances = self.config.parallel.num_distributed_optimizer_instances if self.config is not None else 1
+        return self.layout.dp * self.layout.cp // instances
+
+    @property
     def is_weipipe(self) -> bool:
         return registry.training_entry(self.schedule).is_weipipe
 
