@@ -37,8 +37,9 @@ from harness.weipipe_gpt import RTOL as WEIPIPE_RTOL
 
 ITERS, SAVE_AT = 3, 2
 DIST_OPT = dict(use_distributed_optimizer=True, overlap_grad_reduce=True)
-# every run: one evaluation of one batch, after iteration 2
-EVAL = dict(train_iters=ITERS, eval_interval=2, eval_iters=1)
+# every run: one evaluation of one batch, after iteration 3; the checkpoints of iteration 2
+# are saved right after a step, with the gather of what it updated still to come
+EVAL = dict(train_iters=ITERS, eval_interval=3, eval_iters=1)
 # DP=2 x PP=2 with four microbatches per replica: the interleaved schedule reaches its steady
 # state, where it overlaps point-to-point communication (with two it only warms up and cools down)
 PP2 = dict(pipeline_model_parallel_size=2, micro_batch_size=1)
@@ -243,8 +244,8 @@ def _with_after_backward(rank, world, argv, hook, train_and_collect):
 # The reference is also the control of the housekeeping runs (automatic collection, level 0).
 RUNS1 = [
     ("reference", dict(**EVAL, **CLOSE)),
-    ("manual gc", dict(**EVAL, manual_gc=True, manual_gc_interval=3, empty_unused_memory_level=1)),
-    ("manual gc, not around evaluation", dict(**EVAL, manual_gc=True, manual_gc_interval=3, no_manual_gc_eval=True,
+    ("manual gc", dict(**EVAL, manual_gc=True, manual_gc_interval=2, empty_unused_memory_level=1)),
+    ("manual gc, not around evaluation", dict(**EVAL, manual_gc=True, manual_gc_interval=2, no_manual_gc_eval=True,
                                               empty_unused_memory_level=2)),
 ]
 
@@ -294,12 +295,12 @@ def test_manual_gc_turns_automatic_collection_off_and_collects_on_schedule(world
     auto, manual = world1["reference"], world1["manual gc"]
     assert len(auto["gc_enabled"]) == ITERS and all(auto["gc_enabled"]) and not any(manual["gc_enabled"])
     assert manual["gc_enabled_after"] and auto["gc_enabled_after"]
-    # while automatic collection is off: one full collection at the start, a full one before
-    # the evaluation after iteration 2 and a young one after it, one every 3 iterations
+    # while automatic collection is off: one full collection at the start, one every 2
+    # iterations, a full one before the evaluation after iteration 3 and a young one after it
     explicit = [(gen, it) for gen, it, enabled in manual["collections"] if not enabled]
-    assert explicit == [(2, None), (2, 2), (0, 2), (2, 3)], explicit
+    assert explicit == [(2, None), (2, 2), (2, 3), (0, 3)], explicit
     quiet = world1["manual gc, not around evaluation"]
-    assert [(g, it) for g, it, enabled in quiet["collections"] if not enabled] == [(2, None), (2, 3)]
+    assert [(g, it) for g, it, enabled in quiet["collections"] if not enabled] == [(2, None), (2, 2)]
 
 
 def test_empty_unused_memory_level_calls_the_platform(world1):

@@ -20,13 +20,14 @@ import contextlib
 import gc
 from typing import Optional
 
+from megatron_weipipe.config import TrainingConfig
 from megatron_weipipe.platform import Platform
+from megatron_weipipe.schedules.gpt.param_gather import DeferredParamGather
 
 
 class Housekeeping:
-    def __init__(self, training, param_gather, platform: Platform):
-        """``training``: the run's TrainingConfig; ``param_gather``: the schedule's
-        DeferredParamGather (None without --overlap-param-gather)."""
+    def __init__(self, training: TrainingConfig, param_gather: Optional[DeferredParamGather], platform: Platform):
+        """``param_gather``: the schedule's (None without --overlap-param-gather)."""
         self.gather = param_gather
         self.platform = platform
         self.memory_level = training.empty_unused_memory_level
