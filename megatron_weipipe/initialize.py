@@ -58,6 +58,7 @@ def initialize_distributed(cfg: PretrainConfig) -> RunContext:
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_size(cfg.model.num_layers),
         context_parallel_size=p.context_parallel_size,
+        hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes or None,
         distributed_timeout_minutes=p.distributed_timeout_minutes,
         create_gloo_process_groups=False,
     )

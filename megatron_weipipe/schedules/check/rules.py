@@ -2,8 +2,8 @@
 
 Each rule is ``(cfg, name) -> None`` and raises ConfigError with one sentence naming the
 flag. They read only ``cfg.parallel.pipeline_model_parallel_size``,
-``cfg.parallel.num_layers_per_virtual_pipeline_stage`` and ``cfg.num_microbatches`` of a
-PretrainConfig, so the start-up validation and the simulator run them without torch or a
+``cfg.parallel.num_layers_per_virtual_pipeline_stage``, ``cfg.parallel.megatron_context_parallel``,
+``cfg.num_microbatches`` and ``cfg.fp8.enabled`` of a PretrainConfig, so the start-up validation and the simulator run them without torch or a
 model (ConfigError is imported only to be raised). registry.py names the rule of each
 schedule; the TrainSchedule classes reach them through registry.check_config.
 """
@@ -54,6 +54,13 @@ def check_weipipe(cfg: "PretrainConfig", name: str) -> None:
         _refuse(f"{flag} needs --pipeline-model-parallel-size >= 2 (the size of the weight ring)")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         _refuse(f"{flag} does not take --num-layers-per-virtual-pipeline-stage (one chunk per ring rank)")
+    if cfg.parallel.megatron_context_parallel:
+        _refuse(f"{flag} cannot run --cp-comm-type {' '.join(cfg.parallel.cp_comm_type)} (megatron-core's context "
+                "parallelism runs in Transformer Engine's attention; the ring runs local layers): use --cp-comm-type "
+                "a2a")
+    if cfg.fp8.enabled:
+        _refuse(f"{flag} cannot run --fp8-format (the ring runs megatron-core's local layers, which have no FP8 "
+                "GEMMs); use --pipeline-schedule 1f1b")
     if cfg.num_microbatches % P != 0:
         _refuse(
             f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "

@@ -23,6 +23,9 @@ def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         check_for_nan_in_grad=False,  # checked by the training loop, with a clearer message
+        fp8_param_gather=cfg.fp8.fp8_param_gather,
+        nccl_ub=cfg.parallel.use_nccl_ub,
+        disable_symmetric_registration=cfg.parallel.disable_symmetric_registration,
         bucket_size=None,
     )
 
