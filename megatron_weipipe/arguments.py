@@ -25,6 +25,7 @@ from megatron_weipipe.config import (
 )
 from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.flags import FlagParser, add_flags, from_args
+from megatron_weipipe.fp8_config import FP8Config
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
 
@@ -40,6 +41,7 @@ SECTIONS = (
     ("parallel", ParallelConfig, "parallelism"),
     ("fpdt", FPDTConfig, "FPDT (chunked Ulysses attention)"),
     ("training", TrainingConfig, "training"),
+    ("fp8", FP8Config, "FP8 (Transformer Engine)"),
     ("data", DataConfig, "data"),
     ("checkpoint", CheckpointConfig, "checkpointing"),
     ("logging", LoggingConfig, "logging"),

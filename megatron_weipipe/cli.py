@@ -24,6 +24,15 @@ def _one_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def _check_host(cfg) -> None:
+    """What this host cannot run (FP8 without Transformer Engine on a recent GPU, ...), before
+    any process group exists: one line and exit 2, like a bad flag."""
+    from megatron_weipipe.model.layer_choice import check_host
+    from megatron_weipipe.platform import detect_platform
+
+    check_host(cfg, detect_platform())
+
+
 def run_main(argv, model_provider, forward_step) -> int:
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.config import ConfigError
@@ -32,6 +41,7 @@ def run_main(argv, model_provider, forward_step) -> int:
     rank = launcher_rank()
     try:
         cfg = parse_config(argv)
+        _check_host(cfg)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)

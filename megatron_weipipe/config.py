@@ -10,12 +10,12 @@ sentence instead of hanging in a collective later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Optional
 
 from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.errors import ConfigError, require
 from megatron_weipipe.flags import option
+from megatron_weipipe.fp8_config import FP8Config
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
 from megatron_weipipe.model_config import ModelConfig
@@ -26,25 +26,6 @@ from megatron_weipipe.parallel_config import ParallelConfig
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
-class WeightPass(StrEnum):
-    """How a split backward (BACKWARD_INPUT / BACKWARD_WEIGHT) gets its weight gradient.
-
-    The runtime (schedules/runtime/ring.py) runs the first three; GPT training runs
-    ``DEFERRED`` (schedules/gpt/weipipe). The simulator prices ``STORED`` and ``REPLAY``
-    as the runtime runs them, and ``IDEAL`` for what ``DEFERRED`` aims at: per-layer
-    weight-gradient kernels costing their own FLOPs, which only FLOP-based costs can
-    price (a host calibration times the autograd passes the first two run).
-    """
-
-    REPLAY = "replay"  # W is a second autograd pass over the graph I kept
-    STORED = "stored"  # I computes both gradients, W adds the stored one
-    DEFERRED = "deferred"  # I runs the input GEMMs, W the deferred weight GEMMs (runtime/wgrad.py)
-    IDEAL = "ideal"  # the simulator's price of DEFERRED: I and W at their own FLOPs
-
-
-RUNTIME_WEIGHT_PASSES = (WeightPass.REPLAY, WeightPass.STORED, WeightPass.DEFERRED)
-TRAINING_WEIGHT_PASS = WeightPass.DEFERRED
-SIMULATED_WEIGHT_PASSES = (WeightPass.STORED, WeightPass.REPLAY, WeightPass.IDEAL)
 
 
 def one_of(choices) -> str:
@@ -78,6 +59,15 @@ class TrainingConfig:
     lr_decay_samples: Optional[int] = option(None, help="decay samples (with --train-samples; default: "
                                                         "--train-samples)")
     weight_decay: float = option(0.01, help="weight decay")
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False, flag="--use-checkpoint-opt_param-scheduler",
+        help="on --load, take the learning-rate and weight-decay schedule (peak and minimum LR, warm-up and decay "
+             "lengths, style) from the checkpoint; without this or --override-opt_param-scheduler a schedule "
+             "that differs from the checkpoint's stops the load, as in Megatron-LM")
+    override_opt_param_scheduler: bool = option(
+        False, flag="--override-opt_param-scheduler",
+        help="on --load, take the schedule from these flags, not from the checkpoint (the position in it, "
+             "the samples consumed, is still the checkpoint's)")
     clip_grad: float = option(1.0, help="gradient-norm clipping (0: off)")
     optimizer: str = option("adam", help="adam or sgd")
     adam_beta1: float = option(0.9, help="Adam beta1")
@@ -121,6 +111,8 @@ class TrainingConfig:
         require(self.clip_grad >= 0, "--clip-grad must be non-negative")
         require(self.manual_gc_interval >= 0, "--manual-gc-interval must be non-negative")
         self._validate_decoupled_lr()
+        require(not (self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler),
+                "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
         if self.train_samples is not None:
             self._validate_sample_based()
             return
@@ -286,6 +278,7 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fpdt: FPDTConfig = field(default_factory=FPDTConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
     world_size: int = 1
 
@@ -325,7 +318,9 @@ class PretrainConfig:
         )
 
     def _long_context(self) -> bool:
-        return self.parallel.context_parallel_size > 1 or self.fpdt.enabled
+        """Ulysses or FPDT attention (this package's context parallelism), not megatron-core's."""
+        p = self.parallel
+        return (p.context_parallel_size > 1 and not p.megatron_context_parallel) or self.fpdt.enabled
 
     def validate(self) -> None:
         """Check every rule of the flags (not the data files, see DataConfig.validate);
@@ -366,7 +361,9 @@ class PretrainConfig:
         require(t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) == 0,
                 f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size x "
                 f"data-parallel size ({t.micro_batch_size} x {dp})")
-        if p.context_parallel_size > 1:
+        if p.megatron_context_parallel:
+            self._validate_megatron_context_parallel()
+        elif p.context_parallel_size > 1:
             cp = p.context_parallel_size
             require(m.num_attention_heads % (cp * tp) == 0,
                     f"--num-attention-heads ({m.num_attention_heads}) must be divisible by context x tensor "
@@ -376,7 +373,7 @@ class PretrainConfig:
                     f"size ({cp} x {tp}) for Ulysses attention")
             require(m.seq_length % cp == 0,
                     f"--seq-length ({m.seq_length}) must be divisible by --context-parallel-size ({cp})")
-        if p.context_parallel_size > 1 or self.fpdt.enabled:
+        if self._long_context():
             require(m.attention_dropout == 0.0,
                     "--attention-dropout must be 0 with Ulysses/FPDT attention (--context-parallel-size > 1 or "
                     "--fpdt)")
@@ -387,8 +384,25 @@ class PretrainConfig:
                     "applies no query/key norms)")
         if self.fpdt.enabled:
             self.fpdt.validate(m.seq_length, p.context_parallel_size)
+        self.fp8.validate(long_context=self._long_context(),
+                          sharded_params=p.use_distributed_optimizer or p.use_torch_fsdp2)
         if p.use_torch_fsdp2:
             self._validate_fsdp()
+
+    def _validate_megatron_context_parallel(self) -> None:
+        """--cp-comm-type p2p / allgather / a2a+p2p: megatron-core's context parallelism inside
+        Transformer Engine's attention (the host rule is model/layer_choice.check_host)."""
+        m, p, cp = self.model, self.parallel, self.parallel.context_parallel_size
+        kind = next(t for t in p.cp_comm_type if t != "a2a")
+        require(len(p.cp_comm_type) in (1, m.num_layers),
+                f"--cp-comm-type takes one value or one per layer ({m.num_layers}), not {len(p.cp_comm_type)}")
+        require(m.seq_length % (2 * cp) == 0,
+                f"--seq-length ({m.seq_length}) must be divisible by 2 x --context-parallel-size ({2 * cp}) for "
+                f"--cp-comm-type {kind} (megatron-core's load-balanced sequence split)")
+        require(not self.fpdt.enabled, f"--fpdt is chunked Ulysses attention: it takes --cp-comm-type a2a, not {kind}")
+        require(not self.data.reset_attention_mask,
+                f"--reset-attention-mask cannot be combined with --cp-comm-type {kind} (Transformer Engine's context "
+                "parallelism takes causal masks only here; --cp-comm-type a2a supports packed documents)")
 
     def _validate_fsdp(self) -> None:
         """--use-torch-fsdp2: what the FSDP2 data-parallel mode composes with (docs/how-it-works/fsdp.md)."""
@@ -403,6 +417,8 @@ class PretrainConfig:
         require(not p.overlap_grad_reduce,
                 "--use-torch-fsdp2 cannot be combined with --overlap-grad-reduce (FSDP issues its own "
                 "reduce-scatters)")
+        require(not p.use_nccl_ub, "--use-nccl-ub registers megatron-core DDP's buffers; --use-torch-fsdp2 "
+                                   "allocates its own")
         require(self.model.untie_embeddings_and_output_weights,
                 "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights (as in Megatron-LM)")
         require(not t.fp16, "--use-torch-fsdp2 runs in float32 or --bf16 here (no --fp16: it would need a "

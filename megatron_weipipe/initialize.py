@@ -60,6 +60,7 @@ def initialize_distributed(cfg: PretrainConfig) -> RunContext:
         context_parallel_size=p.context_parallel_size,
         # the partial distributed optimizer's intra- and inter-instance data-parallel groups
         num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+        hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes or None,
         distributed_timeout_minutes=p.distributed_timeout_minutes,
         create_gloo_process_groups=False,
     )

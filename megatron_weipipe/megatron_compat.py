@@ -19,6 +19,10 @@ _ACCEPTED = "accepted from Megatron-LM"
 _NOOP = f"{_ACCEPTED}; changes nothing here"
 
 
+_MEGATRON_FSDP = ("an option of Megatron FSDP, --use-megatron-fsdp, which is refused here; Megatron-LM ignores it "
+                  "without that flag too")
+
+
 def _noop(why: str, default=False, **kw):
     return option(default, help=f"{_NOOP} ({why})", **kw)
 
@@ -61,8 +65,10 @@ class MegatronCompatConfig:
     async_save: bool = _noop("checkpoints are written synchronously")
     use_dist_ckpt: bool = _noop("checkpoints are always torch_dist")
     log_validation_ppl_to_tensorboard: bool = _noop("logging")
+    data_parallel_sharding_strategy: str = _noop(_MEGATRON_FSDP, default="optim_grads_params")
+    fsdp_double_buffer: bool = _noop(_MEGATRON_FSDP)
+    fsdp_manual_registration: bool = _noop(_MEGATRON_FSDP)
     # --- refused: one line naming the flag ----------------------------------------
-    fp8_format: Optional[str] = _refused("FP8 needs Transformer Engine on Hopper-class GPUs")
     use_megatron_fsdp: bool = _refused("Megatron's own FSDP is not one of this package's data-parallel modes "
                                        "(use --use-torch-fsdp2 or --use-distributed-optimizer)", default=False)
     cpu_offloading: bool = _refused("Megatron's --cpu-offloading is Transformer Engine's activation offload, "

@@ -8,11 +8,15 @@ only these flags are here; those that need the model or the world size are
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from megatron_weipipe.errors import require
 from megatron_weipipe.flags import option
+
+# --cp-comm-type: Megatron-LM's values; a2a is this package's Ulysses/FPDT.
+CP_COMM_TYPES = ("a2a", "p2p", "allgather", "a2a+p2p")
 
 
 @dataclass
@@ -22,7 +26,16 @@ class ParallelConfig:
                                                        "WeiPipe ring")
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, help="layers per virtual stage (interleaved 1F1B)")
-    context_parallel_size: int = option(1, help="context-parallel size (CP): Ulysses/FPDT over the sequence")
+    context_parallel_size: int = option(1, help="context-parallel size (CP): Ulysses/FPDT over the sequence, or "
+                                                 "megatron-core's context parallelism (--cp-comm-type)")
+    cp_comm_type: list[str] = option(
+        help="context parallelism's communication, Megatron-LM's values, one or one per layer: a2a (the default "
+             "here) is this package's Ulysses all-to-all, chunked by --fpdt, on every host; p2p (ring attention), "
+             "allgather and a2a+p2p are megatron-core's own context parallelism inside Transformer Engine's "
+             "attention, on GPU hosts with TE", choices=CP_COMM_TYPES, default_factory=lambda: ["a2a"])
+    hierarchical_context_parallel_sizes: list[int] = option(
+        help="with --cp-comm-type a2a+p2p: the sizes of the a2a and p2p levels (their product is "
+             "--context-parallel-size)", default_factory=list)
     pipeline_schedule: Optional[str] = option(
         None, help="pipeline schedule, one of those listed at the end of --help (default: none at PP=1, "
                    "interleaved with virtual stages, else 1f1b)")
@@ -37,6 +50,11 @@ class ParallelConfig:
                                               "parameters, gradients and optimizer state sharded over data x "
                                               "context parallel ranks (docs/how-it-works/fsdp.md)")
     overlap_grad_reduce: bool = option(False, help="overlap the gradient all-reduce with backward")
+    use_nccl_ub: bool = option(False, help="allocate megatron-core DDP's gradient and parameter buffers from NCCL's "
+                                           "registered memory pool (user buffers: fewer GPU SMs spent on "
+                                           "data-parallel communication); NCCL hosts only")
+    disable_symmetric_registration: bool = option(False, help="with --use-nccl-ub, register the buffers locally, "
+                                                              "not as symmetric windows")
     overlap_param_gather: bool = option(
         False, help="with --use-distributed-optimizer and --overlap-grad-reduce: start the all-gather of the "
                     "updated parameters after the optimizer step and wait for each bucket in the next forward "
@@ -70,9 +88,26 @@ class ParallelConfig:
                      "num_distributed_optimizer_instances"):
             require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
         self._validate_data_parallel_communication()
+        self._validate_cp_comm_type()
         require(not self.tp_comm_overlap or self.sequence_parallel,
                 "--tp-comm-overlap needs --sequence-parallel (and --tensor-model-parallel-size > 1), as in "
                 "Megatron-LM: it overlaps the sequence-parallel all-gathers and reduce-scatters with the GEMMs")
+
+    def _validate_cp_comm_type(self) -> None:
+        require(len(self.cp_comm_type) > 0, "--cp-comm-type needs a value")
+        if "a2a+p2p" in self.cp_comm_type:
+            sizes = self.hierarchical_context_parallel_sizes
+            require(len(sizes) > 1 and math.prod(sizes) == self.context_parallel_size,
+                    f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes whose product is "
+                    f"--context-parallel-size ({self.context_parallel_size}), not {sizes}")
+        else:
+            require(not self.hierarchical_context_parallel_sizes,
+                    "--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p")
+
+    @property
+    def megatron_context_parallel(self) -> bool:
+        """megatron-core's own context parallelism (Transformer Engine's attention), not Ulysses/FPDT."""
+        return self.context_parallel_size > 1 and any(t != "a2a" for t in self.cp_comm_type)
 
     def _validate_data_parallel_communication(self) -> None:
         """Megatron-LM's rules of the distributed optimizer's overlaps and instances."""

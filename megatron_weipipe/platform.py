@@ -41,6 +41,8 @@ class Platform:
     transformer_engine: Optional[bool] = None
     # None: try importing the compiled softmax kernels; True/False: a stated capability.
     fused_softmax: Optional[bool] = None
+    # None: ask the current CUDA device; (major, minor): a stated one (tests fake a Hopper host).
+    capability: Optional[tuple] = None
 
     @property
     def is_cuda(self) -> bool:
@@ -64,6 +66,14 @@ class Platform:
     def device_count(self) -> int:
         """CUDA devices visible to this process (0 on a CPU host)."""
         return torch.cuda.device_count() if self.is_cuda else 0
+
+    def compute_capability(self) -> tuple:
+        """The current GPU's (major, minor) compute capability; (0, 0) on a CPU host."""
+        if not self.is_cuda:
+            return (0, 0)
+        if self.capability is not None:
+            return tuple(self.capability)
+        return tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))
 
     def transformer_engine_available(self) -> bool:
         import importlib.util

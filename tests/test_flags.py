@@ -39,6 +39,10 @@ MEGATRON_FLAGS = """
  --rope-scaling-factor --allow-unverified-gpu-paths --offload-layer-inputs
 --num-distributed-optimizer-instances --overlap-param-gather --overlap-p2p-comm --tp-comm-overlap
 --manual-gc --manual-gc-interval --no-manual-gc-eval --empty-unused-memory-level
+--cp-comm-type --hierarchical-context-parallel-sizes --use-nccl-ub --disable-symmetric-registration
+--use-checkpoint-opt_param-scheduler --override-opt_param-scheduler
+--fp8-format --fp8-recipe --fp8-margin --fp8-amax-history-len --fp8-amax-compute-algo --no-fp8-wgrad
+--fp8-param-gather --first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16
 """.split()
 
 
@@ -129,7 +133,7 @@ def test_lr_decay_style_help_and_error_name_what_is_accepted():
 def test_each_vocabulary_has_one_home():
     """The attention backends, FPDT's kernels and the weight passes are declared once; the
     flags, the checks and the simulator read them from there."""
-    from megatron_weipipe.config import RUNTIME_WEIGHT_PASSES, SIMULATED_WEIGHT_PASSES, TRAINING_WEIGHT_PASS, WeightPass
+    from megatron_weipipe.weight_pass import RUNTIME_WEIGHT_PASSES, SIMULATED_WEIGHT_PASSES, TRAINING_WEIGHT_PASS, WeightPass
     from megatron_weipipe.model_config import ATTENTION_BACKENDS
     from megatron_weipipe.fpdt import kernels
     from megatron_weipipe.fpdt.config import AUTO_KERNEL, BLOCK_KERNELS, KERNELS

@@ -10,6 +10,7 @@ import pytest
 
 from harness.runs import tiny_gpt_args
 from megatron_weipipe.arguments import parse_config
+from megatron_weipipe.errors import ConfigError
 from megatron_weipipe.model import layer_choice
 from megatron_weipipe.model.layer_choice import DROPOUT_REPLAY_TE, WEIPIPE_TE, choose_layers
 from megatron_weipipe.platform import Platform
@@ -81,5 +82,5 @@ def test_verified_paths_keep_their_layers():
 
 
 def test_explicit_te_without_te_is_refused():
-    with pytest.raises(RuntimeError, match="needs transformer-engine"):
+    with pytest.raises(ConfigError, match="needs transformer-engine"):
         choose_layers(_cfg(pipeline_schedule="1f1b", transformer_impl="transformer_engine"), CUDA_NO_TE)

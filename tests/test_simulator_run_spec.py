@@ -10,6 +10,7 @@ from dataclasses import fields, replace
 import pytest
 
 from megatron_weipipe import config as config_module
+from megatron_weipipe import fp8_config
 from megatron_weipipe import megatron_compat
 from megatron_weipipe import model_config
 from megatron_weipipe import parallel_config
@@ -25,8 +26,8 @@ from megatron_weipipe.simulator.run_spec import RunSpec, spec_from_config, spec_
 
 # The sections whose rules run at start-up (the data files' are not checked by the
 # simulator: it runs check_config with check_data=False).
-SECTIONS = ("model", "parallel", "training", "fpdt", "checkpoint", "logging", "megatron")
-RULE_SOURCES = (config_module, model_config, parallel_config, fpdt_config, rules, megatron_compat,
+SECTIONS = ("model", "parallel", "training", "fpdt", "fp8", "checkpoint", "logging", "megatron")
+RULE_SOURCES = (config_module, model_config, parallel_config, fpdt_config, fp8_config, rules, megatron_compat,
                 ModelShape.validate)
 
 # A value other than the default for the fields whose type says too little, with the
@@ -41,6 +42,8 @@ ALTERNATIVES = {
     "position_embedding_type": dict(model=dict(position_embedding_type="rope")),
     "normalization": dict(model=dict(normalization="RMSNorm")),
     "kernel": dict(fpdt=dict(kernel="math")),
+    "cp_comm_type": dict(parallel=dict(cp_comm_type=["p2p"])),
+    "hierarchical_context_parallel_sizes": dict(parallel=dict(hierarchical_context_parallel_sizes=[2, 4])),
 }
 
 

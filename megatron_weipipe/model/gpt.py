@@ -69,9 +69,10 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        # Context parallelism here is Ulysses/FPDT, applied around attention by this package;
-        # megatron-core's own (ring attention through TE) stays off.
-        context_parallel_size=1,
+        # Ulysses/FPDT (--cp-comm-type a2a) is applied around attention by this package, so
+        # megatron-core sees CP 1; its own (TE attention, --cp-comm-type p2p ...) sees the size.
+        context_parallel_size=p.context_parallel_size if p.megatron_context_parallel else 1,
+        **_megatron_cp_kwargs(p),
         sequence_parallel=p.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -95,12 +96,20 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
         overlap_p2p_comm=p.overlap_p2p_comm,  # interleaved 1F1B only (ParallelConfig.resolved)
         # Transformer Engine's userbuffers (model/tp_overlap.py); megatron-core's local layers have none
         tp_comm_overlap=p.tp_comm_overlap and te_layers,
+        **cfg.fp8.transformer_config_kwargs(),
     )
     if p.num_layers_per_virtual_pipeline_stage is not None:
         kwargs["virtual_pipeline_model_parallel_size"] = p.virtual_pipeline_size(m.num_layers)
     if m.recompute_granularity == "full" and m.recompute_num_layers is None:
         kwargs["recompute_num_layers"] = 1
     return TransformerConfig(**kwargs)
+
+
+def _megatron_cp_kwargs(p) -> dict:
+    """megatron-core's --cp-comm-type (one value, or one per layer) for its own context parallelism."""
+    if not p.megatron_context_parallel:
+        return {}
+    return dict(cp_comm_type=p.cp_comm_type[0] if len(p.cp_comm_type) == 1 else list(p.cp_comm_type))
 
 
 def with_final_norm(spec, tconf: TransformerConfig, vp_stage: Optional[int]):
@@ -206,6 +215,10 @@ def build_gpt_model(
         from megatron_weipipe.model.layer_offload import LayerInputStore, install_on_block
 
         install_on_block(model.decoder, LayerInputStore(platform))
+    if cfg.parallel.megatron_context_parallel:
+        from megatron_weipipe.model.megatron_cp import MegatronContextParallel
+
+        model.long_context = MegatronContextParallel.from_parallel_state()  # the forward step shards batches
     if long_context is not None:
         model.long_context = long_context  # read by the forward step to shard batches
         if long_context.fpdt is not None:

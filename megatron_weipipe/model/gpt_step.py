@@ -7,6 +7,7 @@ from functools import partial
 import torch
 
 from megatron_weipipe.faults import maybe_inject_nan
+from megatron_weipipe.model.megatron_cp import MegatronContextParallel
 from megatron_weipipe.platform import detect_platform
 
 
@@ -18,11 +19,14 @@ def batch_to_device(batch: dict, device: torch.device, keep_on_host=()) -> dict:
 def get_batch(data_iterator, long_context=None):
     """tokens, labels, loss_mask, attention_mask, position_ids of the next microbatch.
 
-    Under context parallelism each rank keeps its share of the sequence (FPDT layout).
+    Under context parallelism each rank keeps its share of the sequence: the FPDT layout for
+    Ulysses/FPDT, megatron-core's load-balanced chunks for its own (model/megatron_cp.py).
     """
     batch = next(data_iterator)
     keep = ()
-    if long_context is not None:
+    if isinstance(long_context, MegatronContextParallel):
+        batch = long_context.shard(batch)
+    elif long_context is not None:
         from megatron_weipipe.model.long_context import shard_for_context_parallel
 
         batch = shard_for_context_parallel(batch, long_context)

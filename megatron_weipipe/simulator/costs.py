@@ -5,7 +5,7 @@ elementwise work and the tensor/context-parallel collectives inside a layer, whi
 Megatron does not overlap), or a HostCalibration of this machine.
 
 A split backward (weipipe-zb's BACKWARD_INPUT / BACKWARD_WEIGHT) is priced the way the
-runtime's `weight_pass` runs it (config.WeightPass, config.SIMULATED_WEIGHT_PASSES):
+runtime's `weight_pass` runs it (weight_pass.WeightPass, weight_pass.SIMULATED_WEIGHT_PASSES):
 - "stored": I computes both gradients in one pass (a full backward), W only adds the
   stored weight gradient to the travelling token;
 - "replay": I is an input-gradient pass keeping the graph, W a second autograd pass,
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from megatron_weipipe.config import WeightPass
+from megatron_weipipe.weight_pass import WeightPass
 from megatron_weipipe.schedules.ir.actions import Action, Kind, Schedule
 
 from . import collectives
@@ -126,7 +126,7 @@ class FlopOptions:
     tp_link: LinkSpec = LinkSpec("none", 1e9, 0.0)
     cp_link: LinkSpec = LinkSpec("none", 1e9, 0.0)
     dtype_bytes: int = 2
-    weight_pass: str = WeightPass.STORED  # one of config.SIMULATED_WEIGHT_PASSES, see the module doc
+    weight_pass: str = WeightPass.STORED  # one of weight_pass.SIMULATED_WEIGHT_PASSES, see the module doc
     recompute: bool = False
     extra_forward: float = 0.0  # seconds added to every layer forward (e.g. FPDT chunking)
     extra_backward: float = 0.0

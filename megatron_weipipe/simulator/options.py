@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_weipipe.config import SIMULATED_WEIGHT_PASSES, WeightPass
+from megatron_weipipe.weight_pass import SIMULATED_WEIGHT_PASSES, WeightPass
 from megatron_weipipe.flags import option
 from megatron_weipipe.schedules import registry
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from megatron_weipipe.arguments import check_config
-from megatron_weipipe.config import PretrainConfig, WeightPass
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.weight_pass import WeightPass
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.ir.actions import Action, Flow, Schedule
@@ -112,7 +113,11 @@ class RunSpec:
             require_simulable(V >= 2 and L % (P * V) == 0,
                               f"{self.schedule} needs --num-layers ({L}) divisible by pipeline size x virtual "
                               f"stages ({P} x {V})")
-        check_config(spec_to_config(self), check_data=False)
+        cfg = spec_to_config(self)
+        check_config(cfg, check_data=False)
+        require_simulable(not cfg.parallel.megatron_context_parallel,
+                          f"the simulator models this package's context parallelism (--cp-comm-type a2a: Ulysses/FPDT), "
+                          f"not megatron-core's --cp-comm-type {' '.join(cfg.parallel.cp_comm_type)}")
         return self
 
     def build_schedule(self, zb_costs: Optional[tuple[float, float, float]] = None) -> Schedule:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from megatron_weipipe.config import WeightPass
+from megatron_weipipe.weight_pass import WeightPass
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.shape import ModelShape
 

@@ -65,12 +65,29 @@ def use_device_grad_norm() -> None:
         clip_grads.l2_norm_impl = _device_l2_norm
 
 
+class ParamScheduler(OptimizerParamScheduler):
+    """megatron-core's scheduler; a schedule that differs from the checkpoint's is one line
+    naming the two flags that settle it, not an assertion."""
+
+    def _check_and_set(self, cls_value, sd_value, name):
+        if not (self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler) \
+                and cls_value != sd_value:
+            raise ScheduleMismatch(f"the checkpoint's {name} is {sd_value} but these flags give {cls_value}: pass "
+                                   "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule or "
+                                   "--override-opt_param-scheduler to take the flags'")
+        return super()._check_and_set(cls_value, sd_value, name)
+
+
+class ScheduleMismatch(ValueError):
+    """--load under a learning-rate schedule that differs from the checkpoint's."""
+
+
 def build_scheduler(cfg: PretrainConfig, optimizer) -> OptimizerParamScheduler:
     """The schedule counted in samples, as Megatron-LM's get_optimizer_param_scheduler counts
     it: iteration-based lengths times the global batch, or --train-samples' own."""
     t = cfg.training
     warmup = t.lr_warmup_steps
-    return OptimizerParamScheduler(
+    return ParamScheduler(
         optimizer,
         init_lr=0.0 if warmup > 0 else t.lr,
         max_lr=t.lr,
@@ -82,6 +99,6 @@ def build_scheduler(cfg: PretrainConfig, optimizer) -> OptimizerParamScheduler:
         end_wd=t.weight_decay,
         wd_incr_steps=t.wd_incr_steps,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=t.override_opt_param_scheduler,
     )

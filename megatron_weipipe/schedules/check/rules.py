@@ -1,9 +1,9 @@
 """Start-up rules of every schedule: flag combinations it cannot run.
 
 Each rule is ``(cfg, name) -> None`` and raises ConfigError with one sentence naming the
-flag. They read only ``cfg.parallel`` and ``cfg.num_microbatches`` of a PretrainConfig,
-so the start-up validation and the simulator run them without torch or a model
-(ConfigError is imported only to be raised). registry.py names the rule of each
+flag. They read only ``cfg.parallel``, ``cfg.num_microbatches`` and ``cfg.fp8.enabled`` of a
+PretrainConfig, so the start-up validation and the simulator run them without torch or a
+model (ConfigError is imported only to be raised). registry.py names the rule of each
 schedule; the TrainSchedule classes reach them through registry.check_config.
 """
 
@@ -56,6 +56,13 @@ def check_weipipe(cfg: "PretrainConfig", name: str) -> None:
     if p.overlap_param_gather:
         _refuse(f"{flag} cannot be combined with --overlap-param-gather: the ring sends the owned chunk's updated "
                 "weights when the iteration starts, before any forward a deferred all-gather could overlap")
+    if cfg.parallel.megatron_context_parallel:
+        _refuse(f"{flag} cannot run --cp-comm-type {' '.join(cfg.parallel.cp_comm_type)} (megatron-core's context "
+                "parallelism runs in Transformer Engine's attention; the ring runs local layers): use --cp-comm-type "
+                "a2a")
+    if cfg.fp8.enabled:
+        _refuse(f"{flag} cannot run --fp8-format (the ring runs megatron-core's local layers, which have no FP8 "
+                "GEMMs); use --pipeline-schedule 1f1b")
     if cfg.num_microbatches % P != 0:
         _refuse(
             f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "

@@ -28,6 +28,9 @@ def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
         align_param_gather=p.overlap_param_gather and p.virtual_pipeline_size(cfg.model.num_layers) is not None,
         num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         check_for_nan_in_grad=False,  # checked by the training loop, with a clearer message
+        fp8_param_gather=cfg.fp8.fp8_param_gather,
+        nccl_ub=cfg.parallel.use_nccl_ub,
+        disable_symmetric_registration=cfg.parallel.disable_symmetric_registration,
         bucket_size=None,
     )
 

@@ -41,7 +41,8 @@ from torch.func import functional_call
 
 from megatron_weipipe.byte_counter import ByteCounter
 from megatron_weipipe.platform import detect_platform
-from megatron_weipipe.config import RUNTIME_WEIGHT_PASSES, WeightPass, one_of
+from megatron_weipipe.config import one_of
+from megatron_weipipe.weight_pass import RUNTIME_WEIGHT_PASSES, WeightPass
 
 from megatron_weipipe.schedules.ir.actions import Action, Buffer, Flow, Kind, Schedule, ScheduleError
 from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, Post, rank_posts

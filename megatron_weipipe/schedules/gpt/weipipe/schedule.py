@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from megatron_weipipe.config import TRAINING_WEIGHT_PASS, PretrainConfig
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.weight_pass import TRAINING_WEIGHT_PASS
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.gpt.base import ForwardStep, ModelProvider, StepResult, TrainSchedule
 
