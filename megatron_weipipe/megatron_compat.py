@@ -60,7 +60,6 @@ class MegatronCompatConfig:
     ckpt_fully_parallel_save: bool = _noop("checkpoint writing strategy")
     ckpt_fully_parallel_load: bool = _noop("checkpoint reading strategy")
     ckpt_assume_constant_structure: bool = _noop("checkpoint caching")
-    async_save: bool = _noop("checkpoints are written synchronously")
     use_dist_ckpt: bool = _noop("checkpoints are always torch_dist")
     log_validation_ppl_to_tensorboard: bool = _noop("logging")
     # --- refused: one line naming the flag ----------------------------------------
