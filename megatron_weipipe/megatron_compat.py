@@ -59,7 +59,6 @@ class MegatronCompatConfig:
     no_mmap_bin_files: bool = _noop("how the indexed dataset is read")
     ckpt_fully_parallel_save: bool = _noop("deprecated in Megatron-LM, without effect there too; which replica "
                                            "writes a replicated shard, not what is written")
-    ckpt_fully_parallel_load: bool = _noop("which replica reads a replicated shard, not what is loaded")
     ckpt_assume_constant_structure: bool = _noop("reuse of the previous save's plan; the same files")
     use_dist_ckpt: bool = _noop("checkpoints are always torch_dist")
     log_validation_ppl_to_tensorboard: bool = _noop("logging")

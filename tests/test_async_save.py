@@ -61,7 +61,7 @@ def _train(rank, world_size, argv, release=None, hold_at=None):
     seen = {}
 
     def after_backward(iteration, schedule):
-        if iteration == 3:
+        if iteration == 3 and cfg.checkpoint.save:
             root = cfg.checkpoint.save
             seen.update(tracker=directory.read_tracker(root), listing=sorted(os.listdir(root)))
         if release is not None and iteration == hold_at and rank == 0:
@@ -119,9 +119,40 @@ def _host_snapshot(rank, world_size, root, shared, guard):
     return loaded["w"].tolist()
 
 
+def _counting_reads(rank, world_size, argv) -> dict:
+    """_train, counting the tensor and byte items this rank reads from checkpoint files."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from harness.state import local_shards
+
+    plain, reads = FileSystemReader.read_data, []
+
+    def read_data(self, plan, planner):
+        reads.extend(plan.items)
+        return plain(self, plan, planner)
+
+    FileSystemReader.read_data = read_data
+    try:
+        out = _train(rank, world_size, argv)
+    finally:
+        FileSystemReader.read_data = plain
+    return {**out, "reads": len(reads)}
+
+
+def _parallel_loads(rank, world_size, root):
+    """--ckpt-fully-parallel-load: the same state from fewer reads per rank (plain DDP: the model
+    and its optimizer state are replicated on both data-parallel ranks)."""
+    d = os.path.join(root, "fully-parallel-load")
+    _train(rank, world_size, tiny_gpt_args(**{**SMALL, "train_iters": 2}, save=d))
+    load = dict(SMALL, train_iters=3, load=d, save_interval=None)
+    return {"each": _counting_reads(rank, world_size, tiny_gpt_args(**load)),
+            "parallel": _counting_reads(rank, world_size, tiny_gpt_args(**load, ckpt_fully_parallel_load=True))}
+
+
 def _all_runs(rank, world_size, root):
     out = {"snapshot": {(shared, guard): _host_snapshot(rank, world_size, root, shared, guard)
-                        for shared, guard in ((False, True), (True, True), (True, False))}}
+                        for shared, guard in ((False, True), (True, True), (True, False))},
+           "loads": _parallel_loads(rank, world_size, root)}
     for name, flags in FORMATS.items():
         d = os.path.join(root, name)
         release = os.path.join(d, "release")
@@ -169,6 +200,14 @@ def test_a_step_before_the_writer_reads_does_not_reach_the_file(runs):
     assert out["snapshot"][(True, True)] == saved  # shared memory: cloned before the fork
     # Negative control: megatron-core's preload alone hands the shared tensor to the writer.
     assert out["snapshot"][(True, False)] == [-float(x) for x in saved]
+
+
+def test_fully_parallel_load_reads_each_replicated_shard_once_and_loads_the_same_state(runs):
+    _, out = runs
+    each, parallel = out["loads"]["each"], out["loads"]["parallel"]
+    assert parallel["losses"] == each["losses"]  # iteration 3 from the loaded state, bit for bit
+    # Without the flag every rank reads everything it holds; with it the two replicas split the reads.
+    assert each["reads"] > 0 and parallel["reads"] < 0.75 * each["reads"], (each["reads"], parallel["reads"])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -36,7 +36,7 @@ MEGATRON_FLAGS = """
 --log-throughput --timing-log-level --schedule-trace --log-params-norm --log-num-zeros-in-grad
 --log-memory-to-tensorboard --log-timers-to-tensorboard --profile --use-pytorch-profiler
 --profile-step-start --profile-step-end --profile-ranks --dist-ckpt-optim-fully-reshardable --use-rope-scaling
- --rope-scaling-factor --allow-unverified-gpu-paths --offload-layer-inputs --async-save
+ --rope-scaling-factor --allow-unverified-gpu-paths --offload-layer-inputs --async-save --ckpt-fully-parallel-load
 """.split()
 
 

@@ -145,7 +145,7 @@ class TorchDistFormat(StateFormat):
         if with_rng:
             sharded["rng_state"] = _rng_state(state.ctx)
         try:
-            loaded = _read(sharded, path)
+            loaded = _read(sharded, path, self._load_strategy(state))
         except Exception as e:
             raise load_failure(path, e) from e
         for key, chunk in zip(model_keys(state.model_chunks), state.model_chunks):
@@ -157,6 +157,16 @@ class TorchDistFormat(StateFormat):
                 state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         return loaded["rng_state"] if with_rng else None
 
+    def _load_strategy(self, state: TrainState):
+        """megatron-core's reader, or (--ckpt-fully-parallel-load) its fully parallel wrapper over
+        the data x context parallel group: each replicated shard read once there, then broadcast."""
+        if not self.cfg.checkpoint.ckpt_fully_parallel_load:
+            return None
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+        return FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), state.ctx.groups.data_context)
+
     @abstractmethod
     def _optimizer_state(self, optimizer, model_state: dict) -> dict:
         """The optimizer's sharded state to save."""
@@ -167,14 +177,15 @@ class TorchDistFormat(StateFormat):
         """What to ask the checkpoint for the optimizer saved as ``saved_opt``, and how to apply it."""
 
 
-def _read(sharded: dict, path: str) -> dict:
-    """megatron-core's load of ``sharded`` from ``path``, reading every file as data only."""
+def _read(sharded: dict, path: str, strategy=None) -> dict:
+    """megatron-core's load of ``sharded`` from ``path`` (through ``strategy``, if given), reading
+    every file as data only."""
     from megatron.core import dist_checkpointing
 
     with safe_load.safe_byte_objects(), _without_reader_notices():
         common_kwargs = {"common_strategy": safe_load.common_strategy()} \
             if mcore_versions.load_takes_common_strategy() else {}
-        return dist_checkpointing.load(sharded, path, **common_kwargs)
+        return dist_checkpointing.load(sharded, path, sharded_strategy=strategy, **common_kwargs)
 
 
 @contextlib.contextmanager
