@@ -215,6 +215,13 @@ class CheckpointConfig:
         False, help="save the distributed optimizer's state in parameter shapes (fully_reshardable): it then loads "
                     "under other TP/PP/CP layouts and schedules and without --use-distributed-optimizer; the "
                     "default (dp_reshardable) reshards only across data-parallel ranks")
+    async_save: bool = option(
+        False, help="write checkpoints in the background (megatron-core's asynchronous dist_checkpointing): "
+                    "training goes on while a forked writer saves; the tracker moves to a checkpoint only "
+                    "once every rank has written it, and the next save and every exit wait for it")
+    ckpt_fully_parallel_load: bool = option(
+        False, help="torch_dist loads: each replicated shard is read by one rank of the data x context "
+                    "parallel group and sent to the others (megatron-core's FullyParallelLoadStrategyWrapper)")
 
     def validate(self) -> None:
         require(self.ckpt_format == "torch_dist", "--ckpt-format must be torch_dist")

@@ -16,6 +16,10 @@ so tests can break real processes started by torchrun without new command-line f
   published, so a test can kill a rank there.
 - ``MEGATRON_WEIPIPE_TEST_RAISE="iteration:rank"`` raises a RuntimeError on that rank at
   the start of that iteration's forward/backward (a rank failing alone).
+- ``MEGATRON_WEIPIPE_TEST_HOLD_ASYNC_WRITE="release-file[:iteration]"`` holds the background
+  writer of an ``--async-save`` (of that iteration, or every one) before it writes anything,
+  until ``release-file`` exists: training goes on meanwhile, so a test can run optimizer
+  steps, send SIGTERM or SIGKILL while the save is in flight.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 NAN_ENV = "MEGATRON_WEIPIPE_INJECT_NAN"
 SLOW_SAVE_ENV = "MEGATRON_WEIPIPE_TEST_SLOW_SAVE"
 RAISE_ENV = "MEGATRON_WEIPIPE_TEST_RAISE"
+HOLD_WRITE_ENV = "MEGATRON_WEIPIPE_TEST_HOLD_ASYNC_WRITE"
+_HOLD_LIMIT_S = 600.0  # a held writer never outlives a forgotten test by more than this
 
 TRAIN_STEP = "forward/backward"
 
@@ -43,6 +49,8 @@ class _State:
     slow_save_seconds: float = 0.0
     slow_save_iteration: Optional[int] = None
     raise_at: Optional[tuple[int, int]] = None
+    hold_write_file: Optional[str] = None
+    hold_write_iteration: Optional[int] = None
     failing: bool = False  # this rank is already on its way out with its own error
 
 
@@ -93,6 +101,12 @@ def configure(environ=os.environ) -> None:
         _state.raise_at = tuple(int(x) for x in text.split(":")) if text else None
     except ValueError:
         raise ValueError(f"{RAISE_ENV}={text!r}: expected 'iteration:rank'") from None
+    text = environ.get(HOLD_WRITE_ENV, "").strip()
+    path, sep, at = text.rpartition(":")
+    if not sep or not at.isdigit():  # no ":iteration": every save is held
+        path, at = text, ""
+    _state.hold_write_file = path or None
+    _state.hold_write_iteration = int(at) if at else None
     _state.phase, _state.iteration, _state.losses_this_iteration = "start-up", None, 0
     _state.failing = False
 
@@ -124,3 +138,15 @@ def pause_inside_save(iteration: int) -> None:
         print(f"  [test hook] rank {_global_rank()} pausing {_state.slow_save_seconds:g}s inside the save "
               f"of iteration {iteration}", flush=True)
         time.sleep(_state.slow_save_seconds)
+
+
+def hold_background_write(iteration: int) -> None:
+    """Test hook, in an ``--async-save`` writer process: wait for the release file before writing."""
+    path = _state.hold_write_file
+    if path is None or _state.hold_write_iteration not in (None, iteration):
+        return
+    print(f"  [test hook] rank {_global_rank()} holding the background write of iteration {iteration} "
+          f"until {path} exists", flush=True)
+    deadline = time.monotonic() + _HOLD_LIMIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -13,6 +13,9 @@ than by version number, so a patch release that backports a change needs nothing
   ``megatron.core.recompute.checkpointed_forward(block, hidden_states=...)``;
 - parallel linear layers: 0.19 passes ``gtp_remat_size`` to the linear function
   (weight-rematerialisation sharding; 1 means off, the plain linear's math);
+- asynchronous checkpoint saves: 0.19's ``dist_checkpointing.save`` takes ``async_strategy``
+  (default ``nvrx``, NVIDIA's resiliency package); megatron-core's own queue is ``mcore``,
+  which 0.16 uses without being asked;
 - tokenizer base class: 0.16 has ``MegatronLegacyTokenizer`` in
   ``megatron.core.datasets.megatron_tokenizer``; 0.19 has ``MegatronTokenizerBase`` in
   ``megatron.core.tokenizers``, which also asks for ``apply_chat_template``.
@@ -57,6 +60,16 @@ def common_state_loader_owner():
     from megatron.core.dist_checkpointing import serialization
 
     return serialization if hasattr(serialization, "load_common_state_dict") else None
+
+
+@functools.lru_cache(maxsize=None)
+def async_save_kwargs() -> dict:
+    """What ``dist_checkpointing.save(..., async_sharded_save=True)`` needs to build megatron-core's
+    own AsyncRequest (0.19 would otherwise ask for nvidia-resiliency-ext's)."""
+    from megatron.core import dist_checkpointing
+
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
+        else {}
 
 
 # Keyword arguments newer releases pass to the parallel linear function, at the values that

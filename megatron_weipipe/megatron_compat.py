@@ -59,10 +59,9 @@ class MegatronCompatConfig:
                                         "full to recompute here")
     no_create_attention_mask_in_dataloader: bool = _noop("causal masks are built by the model")
     no_mmap_bin_files: bool = _noop("how the indexed dataset is read")
-    ckpt_fully_parallel_save: bool = _noop("checkpoint writing strategy")
-    ckpt_fully_parallel_load: bool = _noop("checkpoint reading strategy")
-    ckpt_assume_constant_structure: bool = _noop("checkpoint caching")
-    async_save: bool = _noop("checkpoints are written synchronously")
+    ckpt_fully_parallel_save: bool = _noop("deprecated in Megatron-LM, without effect there too; which replica "
+                                           "writes a replicated shard, not what is written")
+    ckpt_assume_constant_structure: bool = _noop("reuse of the previous save's plan; the same files")
     use_dist_ckpt: bool = _noop("checkpoints are always torch_dist")
     log_validation_ppl_to_tensorboard: bool = _noop("logging")
     data_parallel_sharding_strategy: str = _noop(_MEGATRON_FSDP, default="optim_grads_params")

@@ -20,7 +20,7 @@ from megatron_weipipe.megatron_compat import MegatronCompatConfig
 LLAMA3_NOOPS = ("--use-mcore-models --attention-backend fused --use-flash-attn "
                 "--no-masked-softmax-fusion --cross-entropy-loss-fusion "
                 "--no-create-attention-mask-in-dataloader --no-mmap-bin-files "
-                "--ckpt-fully-parallel-save --async-save").split()
+                "--ckpt-fully-parallel-save").split()
 LLAMA3 = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
               untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
               use_distributed_optimizer=True, overlap_grad_reduce=True, bf16=True, ckpt_format="torch_dist",

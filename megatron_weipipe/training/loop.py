@@ -32,6 +32,7 @@ def _iterate(run: TrainingRun, state: TrainState) -> None:
     window = LogWindow()
     profiler = StepProfiler.for_run(run.cfg.logging, run.ctx.platform)
     while state.iteration < t.iterations and not t.skip_train:
+        publish_finished_saves(run)
         profiler.before_iteration(state.iteration)
         outcome = train_step(run, state.iteration + 1)
         count_iteration(state, outcome, t.global_batch_size)
@@ -98,11 +99,16 @@ def finish(run: TrainingRun, state: TrainState) -> None:
         run_validation(run, state)
     if run.cfg.checkpoint.save and state.iteration > 0 and state.last_saved_iteration != state.iteration:
         save(run, state)
+    if run.async_saves is not None:
+        wait_for_saves(run, "before exiting")
+        run.async_saves.close()
     faults.set_phase("shutdown", state.iteration)
 
 
 def save(run: TrainingRun, state: TrainState) -> None:
     """Save the model, optimizer, scheduler and the loop's counters; print where they went."""
+    if run.async_saves is not None:
+        wait_for_saves(run, "before the next save")
     faults.set_phase("checkpoint save", state.iteration)
     run.housekeeping.before_save()
     t0 = time.time()
@@ -116,10 +122,36 @@ def save(run: TrainingRun, state: TrainState) -> None:
         consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
         num_skipped_iterations=state.skipped_iterations,
+        background=run.async_saves,
     )
     state.last_saved_iteration = state.iteration
     if not written:
         print_rank_0(f"  checkpoint at iteration {state.iteration:7d} is already published in {path}; not rewritten")
+    elif run.async_saves is not None:
+        print_rank_0(f"  started an async checkpoint save at iteration {state.iteration:7d} to {path} "
+                     f"[ t {time.time() - t0:.2f}s in the training loop; published once every rank has written it ]")
+    else:
+        print_rank_0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {path} "
+                     f"[ t {time.time() - t0:.2f}s ]")
+
+
+def publish_finished_saves(run: TrainingRun) -> None:
+    """At an iteration boundary: publish the async saves every rank has finished writing, without waiting."""
+    if run.async_saves is not None and run.async_saves.in_flight is not None:
+        _report_published(run.async_saves.finalize_finished())
+
+
+def wait_for_saves(run: TrainingRun, why: str) -> None:
+    """Wait for the async save in flight (every rank's writer) and publish it."""
+    pending = run.async_saves.in_flight
+    if pending is None:
         return
-    print_rank_0(f"  successfully saved checkpoint at iteration {state.iteration:7d} to {path} "
-                 f"[ t {time.time() - t0:.2f}s ]")
+    faults.set_phase("checkpoint save", pending.iteration)
+    print_rank_0(f"  waiting for the async checkpoint save of iteration {pending.iteration} {why}")
+    _report_published(run.async_saves.wait())
+
+
+def _report_published(saves) -> None:
+    for done in saves:
+        print_rank_0(f"  successfully saved checkpoint at iteration {done.iteration:7d} to {done.path} "
+                     f"[ async: published {time.time() - done.started:.2f}s after it started ]")

@@ -11,6 +11,7 @@ from megatron_weipipe.config import PretrainConfig
 from megatron_weipipe.context import RunContext
 from megatron_weipipe.data.datasets import build_train_valid_test_datasets
 from megatron_weipipe.schedules.gpt.base import ForwardStep, TrainSchedule
+from megatron_weipipe.training.checkpoint.async_saves import AsyncSaves
 from megatron_weipipe.training.exit_signal import ExitSignal
 from megatron_weipipe.training.housekeeping import Housekeeping
 from megatron_weipipe.training.metrics import TensorBoardWriter
@@ -61,3 +62,4 @@ class TrainingRun:
     exit_signal: ExitSignal
     start_time: float  # time.time() when pretrain() was entered
     housekeeping: Housekeeping  # param-gather hooks, manual GC, empty_cache (housekeeping.py)
+    async_saves: Optional[AsyncSaves] = None  # --async-save: the saves written in the background

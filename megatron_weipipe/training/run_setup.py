@@ -16,6 +16,7 @@ from megatron_weipipe.data.tokenizers import build_tokenizer
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.gpt.base import TrainSchedule
 from megatron_weipipe.shape import padded_vocab_size
+from megatron_weipipe.training.checkpoint.async_saves import AsyncSaves
 from megatron_weipipe.training.checkpoint.checkpointing import load_checkpoint
 from megatron_weipipe.training.console import print_rank_0
 from megatron_weipipe.training.exit_signal import ExitSignal
@@ -48,6 +49,7 @@ def set_up_run(cfg: PretrainConfig, ctx: RunContext, hooks: TrainingHooks, exit_
         tensorboard=TensorBoardWriter(cfg.logging.tensorboard_dir, dist.get_rank() == dist.get_world_size() - 1),
         exit_signal=exit_signal, start_time=start_time,
         housekeeping=Housekeeping(cfg.training, schedule.param_gather, ctx.platform),
+        async_saves=AsyncSaves() if cfg.checkpoint.async_save and cfg.checkpoint.save else None,
     )
     print_rank_0(f"> setup done in {time.time() - start_time:.1f}s; training from iteration {state.iteration}")
     return run, state

@@ -12,6 +12,7 @@ before any rank enters a collective it could hang in.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ from megatron_weipipe.context import RunContext
 from megatron_weipipe.flags import to_flags
 from megatron_weipipe.platform import Platform
 from megatron_weipipe.training.checkpoint import directory, safe_load
+from megatron_weipipe.training.checkpoint.async_saves import AsyncSaves
 from megatron_weipipe.training.checkpoint.directory import CheckpointError
 from megatron_weipipe.training.checkpoint.fsdp2_format import Fsdp2Format
 from megatron_weipipe.training.checkpoint.state_format import StateFormat, TrainState, rng_streams
@@ -102,10 +104,14 @@ def save_checkpoint(
     consumed_train_samples: int,
     consumed_valid_samples: int = 0,
     num_skipped_iterations: int = 0,
+    background: Optional[AsyncSaves] = None,
 ) -> tuple[str, bool]:
     """Write ``iter_<N>.partial`` on every rank, then publish it as ``iter_<N>``.
 
-    Returns the checkpoint path and whether it was written (False: already published).
+    With ``background`` (``--async-save``) the shards are written by a writer process and the
+    publish is the request's last finalize step (async_saves.py); the caller waits for any
+    save in flight first. Returns the checkpoint path and whether it was written (False:
+    already published).
     """
     root = cfg.checkpoint.save
     if directory.is_published(root, iteration):
@@ -123,9 +129,18 @@ def save_checkpoint(
         "model_shape": _model_shape(cfg),
         "model_flags": to_flags(cfg.model),
     }
-    fmt.save(TrainState(ctx, model_chunks, optimizer, scheduler), partial, common)
-    faults.pause_inside_save(iteration)
-    return directory.publish(root, iteration), True
+    state = TrainState(ctx, model_chunks, optimizer, scheduler)
+    if background is None:
+        fmt.save(state, partial, common)
+        faults.pause_inside_save(iteration)
+        return directory.publish(root, iteration), True
+    background.prepare()
+    request = fmt.start_save(state, partial, common)
+    request.add_finalize_fn(functools.partial(faults.pause_inside_save, iteration))
+    request.add_finalize_fn(functools.partial(directory.publish, root, iteration))
+    path = directory.checkpoint_dir(root, iteration)
+    background.schedule(request, iteration, path)
+    return path, True
 
 
 def save_weights(cfg: PretrainConfig, model_chunks, root: str, extra: Optional[dict] = None) -> str:

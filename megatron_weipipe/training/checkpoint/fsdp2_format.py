@@ -52,18 +52,30 @@ class Fsdp2Format(StateFormat):
         import torch.distributed.checkpoint as dcp
 
         tensors = self.sharded_state_dict(state, with_optim=True)
-        rng = [None] * dist.get_world_size()
-        dist.all_gather_object(rng, rng_streams(state.ctx.platform).get_state())
+        _write_common(state, path, common)
         dcp.save(tensors, storage_writer=_writer(path))
-        if dist.get_rank() == 0:
-            optimizer, scheduler = state.optimizer, state.scheduler
-            common = dict(common, rng_states=rng, optimizer_step=_step(optimizer) if optimizer is not None else None,
-                          opt_param_scheduler=scheduler.state_dict() if scheduler is not None else {})
-            torch.save(common, os.path.join(path, "common.pt"))
-            with open(os.path.join(path, "metadata.json"), "w") as f:
-                json.dump({"sharded_backend": BACKEND, "sharded_backend_version": 1, "common_backend": "torch",
-                           "common_backend_version": 1}, f)
-        dist.barrier()
+        _write_metadata_json(path)
+
+    def start_save(self, state: TrainState, path: str, common: dict):
+        """The same files through megatron-core's asynchronous torch.distributed.checkpoint writer
+        (as Megatron-LM saves its torch_dcp and fsdp_dtensor formats with --async-save)."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+        from megatron.core.dist_checkpointing.strategies.state_dict_saver import (save_state_dict_async_finalize,
+                                                                                  save_state_dict_async_plan)
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        tensors = self.sharded_state_dict(state, with_optim=True)
+        _write_common(state, path, common)
+        writer = FileSystemWriterAsync(path, thread_count=1)
+        planned = save_state_dict_async_plan(tensors, writer, None, 0, planner=DefaultSavePlanner())[0]
+        write, preload, args = writer.get_save_function_and_args()
+
+        def finalize() -> None:
+            save_state_dict_async_finalize(*planned)
+            _write_metadata_json(path)
+
+        return AsyncRequest(write, args, [finalize], preload_fn=preload)
 
     def load(self, state: TrainState, path: str, common: dict, *, with_optim: bool, with_rng: bool):
         """Load the DTensors in place (resharded to this run's group) and the LR schedule."""
@@ -77,6 +89,26 @@ class Fsdp2Format(StateFormat):
         if with_rng and rng is not None and len(rng) == dist.get_world_size():
             return rng[dist.get_rank()]
         return None
+
+
+def _write_common(state: TrainState, path: str, common: dict) -> None:
+    """Rank 0 writes common.pt: the shared state, the LR schedule, the Adam step and every rank's RNG."""
+    rng = [None] * dist.get_world_size()
+    dist.all_gather_object(rng, rng_streams(state.ctx.platform).get_state())
+    if dist.get_rank() == 0:
+        optimizer, scheduler = state.optimizer, state.scheduler
+        common = dict(common, rng_states=rng, optimizer_step=_step(optimizer) if optimizer is not None else None,
+                      opt_param_scheduler=scheduler.state_dict() if scheduler is not None else {})
+        torch.save(common, os.path.join(path, "common.pt"))
+
+
+def _write_metadata_json(path: str) -> None:
+    """Rank 0 names the backend once every shard is written; every rank waits for it."""
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": BACKEND, "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}, f)
+    dist.barrier()
 
 
 def _torch_optimizer(optimizer):

@@ -65,6 +65,11 @@ class StateFormat(ABC):
         """Write every rank's shards and ``common`` (the state all formats share) into ``path``."""
 
     @abstractmethod
+    def start_save(self, state: TrainState, path: str, common: dict):
+        """What ``save`` writes, planned now (device tensors still to be copied) and returned as
+        megatron-core's AsyncRequest, whose finalize functions complete it on every rank."""
+
+    @abstractmethod
     def load(self, state: TrainState, path: str, common: dict, *, with_optim: bool, with_rng: bool):
         """Load ``path`` into ``state`` in place; returns this rank's saved RNG state, or None."""
 

@@ -62,12 +62,15 @@ def model_state_dict(model_chunks) -> dict:
     return {key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(model_keys(model_chunks), model_chunks)}
 
 
-def save_sharded(state: dict, path: str) -> None:
-    """megatron-core's synchronous torch_dist save of ``state`` into ``path``."""
+def save_sharded(state: dict, path: str, background: bool = False):
+    """megatron-core's torch_dist save of ``state`` into ``path``: written now, or (``background``)
+    planned now and returned as megatron-core's AsyncRequest that writes it (async_saves.py)."""
     from megatron.core import dist_checkpointing
 
-    _avoid_result_manager_process()
-    dist_checkpointing.save(state, path)
+    if not background:
+        _avoid_result_manager_process()
+        return dist_checkpointing.save(state, path)
+    return dist_checkpointing.save(state, path, async_sharded_save=True, **mcore_versions.async_save_kwargs())
 
 
 def _avoid_result_manager_process() -> None:
@@ -76,8 +79,8 @@ def _avoid_result_manager_process() -> None:
     Its torch_dist writer collects results through a queue that it creates, on first use,
     with a ``spawn`` Manager: a server process that lives until interpreter exit and is
     orphaned if the rank is killed. A synchronous save produces and consumes the results
-    in this process, so an in-process queue does the same job. (An asynchronous save would
-    need the Manager back; this package saves synchronously.)
+    in this process, so an in-process queue does the same job. (``--async-save`` writes in
+    another process and serves the queue from there: async_saves.py.)
     """
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -121,9 +124,14 @@ class TorchDistFormat(StateFormat):
         return sharded
 
     def save(self, state: TrainState, path: str, common: dict) -> None:
+        save_sharded(self._to_save(state, common), path)
+
+    def start_save(self, state: TrainState, path: str, common: dict):
+        return save_sharded(self._to_save(state, common), path, background=True)
+
+    def _to_save(self, state: TrainState, common: dict) -> dict:
         optimizer_step = opt_state.adam_step(state.optimizer) if state.optimizer is not None else None
-        sharded = self.sharded_state_dict(state, with_optim=True)
-        save_sharded({**sharded, **common, "optimizer_step": optimizer_step}, path)
+        return {**self.sharded_state_dict(state, with_optim=True), **common, "optimizer_step": optimizer_step}
 
     def load(self, state: TrainState, path: str, common: dict, *, with_optim: bool, with_rng: bool):
         sharded = model_state_dict(state.model_chunks)
@@ -137,7 +145,7 @@ class TorchDistFormat(StateFormat):
         if with_rng:
             sharded["rng_state"] = _rng_state(state.ctx)
         try:
-            loaded = _read(sharded, path)
+            loaded = _read(sharded, path, self._load_strategy(state))
         except Exception as e:
             raise load_failure(path, e) from e
         for key, chunk in zip(model_keys(state.model_chunks), state.model_chunks):
@@ -149,6 +157,16 @@ class TorchDistFormat(StateFormat):
                 state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         return loaded["rng_state"] if with_rng else None
 
+    def _load_strategy(self, state: TrainState):
+        """megatron-core's reader, or (--ckpt-fully-parallel-load) its fully parallel wrapper over
+        the data x context parallel group: each replicated shard read once there, then broadcast."""
+        if not self.cfg.checkpoint.ckpt_fully_parallel_load:
+            return None
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+        return FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), state.ctx.groups.data_context)
+
     @abstractmethod
     def _optimizer_state(self, optimizer, model_state: dict) -> dict:
         """The optimizer's sharded state to save."""
@@ -159,14 +177,15 @@ class TorchDistFormat(StateFormat):
         """What to ask the checkpoint for the optimizer saved as ``saved_opt``, and how to apply it."""
 
 
-def _read(sharded: dict, path: str) -> dict:
-    """megatron-core's load of ``sharded`` from ``path``, reading every file as data only."""
+def _read(sharded: dict, path: str, strategy=None) -> dict:
+    """megatron-core's load of ``sharded`` from ``path`` (through ``strategy``, if given), reading
+    every file as data only."""
     from megatron.core import dist_checkpointing
 
     with safe_load.safe_byte_objects(), _without_reader_notices():
         common_kwargs = {"common_strategy": safe_load.common_strategy()} \
             if mcore_versions.load_takes_common_strategy() else {}
-        return dist_checkpointing.load(sharded, path, **common_kwargs)
+        return dist_checkpointing.load(sharded, path, sharded_strategy=strategy, **common_kwargs)
 
 
 @contextlib.contextmanager
@@ -198,8 +217,10 @@ class DistributedOptimizerFormat(TorchDistFormat):
 
     def _optimizer_state(self, optimizer, model_state: dict) -> dict:
         sharding = self.layout["optimizer"]["sharding_type"]
-        return optimizer.sharded_state_dict(model_state, is_loading=False,
-                                            metadata={"distrib_optim_sharding_type": sharding})
+        state = optimizer.sharded_state_dict(model_state, is_loading=False,
+                                             metadata={"distrib_optim_sharding_type": sharding})
+        _zero_bucket_padding(state)
+        return state
 
     def _optimizer_request(self, optimizer, model_state, saved_opt, saved_step) -> OptimizerRequest:
         opt_state.allocate_state(optimizer)
@@ -211,3 +232,24 @@ class DistributedOptimizerFormat(TorchDistFormat):
             return "optimizer", request, lambda loaded: opt_state.load_distributed(optimizer, loaded)
         return "optimizer_resharded", *opt_state.from_plain(optimizer, request, saved_kind, saved_step,
                                                             opt_state.model_tensors(model_state))
+
+
+def _zero_bucket_padding(state) -> None:
+    """megatron-core's dp_reshardable state fills the gaps between parameters in a bucket with
+    ``torch.empty``: whatever the allocator held would reach the file. Zeroed, two saves of the
+    same state are the same tensors (the padding is never loaded into anything)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    if isinstance(state, dict):
+        padding = state.get("padding")
+        if isinstance(padding, LocalNonpersistentObject) and padding.unwrap() is True:
+            for value in state.values():
+                if isinstance(value, ShardedTensor):
+                    value.data.zero_()
+        children = state.values()
+    elif isinstance(state, (list, tuple)):
+        children = state
+    else:
+        return
+    for child in children:
+        _zero_bucket_padding(child)
