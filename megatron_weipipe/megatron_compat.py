@@ -49,7 +49,6 @@ class MegatronCompatConfig:
     no_async_tensor_model_parallel_allreduce: bool = _noop("communication overlap")
     tp_comm_overlap: bool = _noop("communication overlap (Transformer Engine)")
     overlap_param_gather: bool = _noop("communication overlap of the distributed optimizer's all-gather")
-    accumulate_allreduce_grads_in_fp32: bool = _noop("gradients are always reduced in fp32 here")
     recompute_activations: bool = _noop("selective recomputation saves GPU memory; use --recompute-granularity "
                                         "full to recompute here")
     manual_gc: bool = _noop("Python garbage-collection timing")
@@ -74,9 +73,6 @@ class MegatronCompatConfig:
     use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
     rampup_batch_size: Optional[list[int]] = _refused("batch-size ramp-up changes the math; use a fixed "
                                                       "--global-batch-size")
-    calculate_per_token_loss: bool = _refused("normalising the loss by the tokens of the whole batch changes "
-                                              "the loss and gradients", default=False)
-    grad_reduce_in_bf16: bool = _refused("gradients are reduced in fp32 here", default=False)
     wandb_project: Optional[str] = _refused("Weights & Biases logging; use --tensorboard-dir")
 
     def validate(self) -> None:
