@@ -18,10 +18,11 @@ with ``--grad-reduce-in-bf16`` the reduce-scatter runs in bfloat16 (half the byt
 the reduced shard is accumulated into the fp32 sharded gradient.
 
 Under ``--calculate-per-token-loss`` each rank's loss is an undivided sum of token losses:
-the reduce-scatter still averages over the group (the one collective every backend
-serves; a plain sum would need NCCL's PreMulSum), and ``scale_gradients`` multiplies the
-factor by the group size once, so the gradient is the sum over ranks divided by the
-global token count, as with megatron-core's DDP.
+the reduce-scatter still averages over the group (FSDP2 runs a divide factor of 1 as
+NCCL's PreMulSum, which gloo lacks, unless sum-only reductions are forced, which only
+recent torch offers), and ``scale_gradients`` multiplies the training step's factor by
+the group size, one multiplication per gradient: the sum over ranks divided by the global
+token count, as with megatron-core's DDP.
 
 FSDP2 issues its collectives itself; every unit gets counting all-gather and
 reduce-scatter objects, so the bytes appear as ``fsdp`` in the log line (see
