@@ -16,6 +16,8 @@ numbers of loss tokens. float32, dropout off, 2 optimizer steps, one validation 
 3. --grad-reduce-in-bf16 under --bf16: bf16 gradient buffers, the data-parallel reduction's
    bytes halve (DDP's all-reduce, WeiPipe's ring sum of the replicated parameters, FSDP2's
    reduce-scatter), the losses stay near the fp32-reduce run's.
+4. Every run trains under the GPU rules of tests/test_gpu_discipline.py: no host sync
+   inside forward-backward, no host tensor in a would-be NCCL collective.
 One spawn per world size (1 and 2) serves every check.
 """
 
@@ -25,6 +27,7 @@ import numpy as np
 import pytest
 
 from harness import run_distributed
+from harness.gpu_rules import FORWARD_BACKWARD
 from harness.per_token import train_many
 from harness.runs import tiny_gpt_args
 from harness.state import assemble, max_relative_difference
@@ -184,6 +187,28 @@ def test_grad_reduce_in_bf16_fsdp2(world2):
     assert sum(n for _, n in rs32) == 2 * half > 0
     assert _sent(fp32, "fsdp") - _sent(bf16, "fsdp") == half
     _losses_close(fp32, bf16)
+
+
+# Under Ulysses / FPDT --reset-attention-mask finds the document boundaries in the data
+# loader's batch before it moves to the device (model/long_context.py shard_for_context_parallel):
+# host tensors, which the counter cannot tell from device ones (made by the loader, not by
+# a call it observes).
+DATA_LOADER_READS = "megatron_weipipe/fpdt/documents.py"
+
+
+def test_no_host_sync_inside_forward_backward(one_process, world2):
+    """Every run above ran under tests/test_gpu_discipline.py's two GPU rules: the token
+    counts stay on the device until the iteration's one reduction, and no collective
+    (the CP sum of the reported pairs among them) is handed a host tensor."""
+    runs = {**{f"one-process {k}": [v] for k, v in one_process.items()}, **{str(k): v for k, v in world2.items()}}
+    for name, ranks in runs.items():
+        for rank, r in enumerate(ranks):
+            rules = r["gpu_rules"]
+            assert rules["iterations"] == 2
+            inside = {site: n for site, n in rules["syncs"].get(FORWARD_BACKWARD, {}).items()
+                      if DATA_LOADER_READS not in site}
+            assert not inside, f"{name}, rank {rank}: host syncs inside forward_backward: {inside}"
+            assert not rules["host_tensors"], f"{name}, rank {rank}: " + "\n".join(rules["host_tensors"])
 
 
 @pytest.mark.parametrize("flags,expected", [

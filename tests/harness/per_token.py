@@ -117,6 +117,7 @@ def train_one(world_size: int, argv: list[str], hand: bool = False) -> dict:
     from megatron.core import parallel_state
 
     import pretrain_gpt
+    from harness.gpu_rules import GpuRules
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.model.gpt_step import forward_step
     from megatron_weipipe.training import evaluation
@@ -151,14 +152,16 @@ def train_one(world_size: int, argv: list[str], hand: bool = False) -> dict:
 
     plain_evaluate, rs_log = evaluation.evaluate, []
     evaluation.evaluate = lambda run: out["validation"].append(plain_evaluate(run)) or out["validation"][-1]
-    plain_rs = _reduce_scatters(rs_log)
-    try:
-        state = pretrain(cfg, pretrain_gpt.model_provider, recording_forward_step,
-                         datasets_provider=uneven_datasets, after_backward=after_backward)
-    finally:
-        evaluation.evaluate = plain_evaluate
-        for name, fn in plain_rs.items():
-            setattr(dist, name, fn)
+    with GpuRules(cfg) as rules:  # no host sync inside forward-backward, no host tensor in a collective
+        plain_rs = _reduce_scatters(rs_log)
+        try:
+            state = pretrain(cfg, rules.model_provider(pretrain_gpt.model_provider), recording_forward_step,
+                             datasets_provider=uneven_datasets, after_backward=after_backward)
+        finally:
+            evaluation.evaluate = plain_evaluate
+            for name, fn in plain_rs.items():
+                setattr(dist, name, fn)
+    out["gpu_rules"] = rules.report(state.iteration)
     if hand:
         out["params_by_name"] = by_name(seen["schedule"], "param")
     if hand and out["validation"]:
