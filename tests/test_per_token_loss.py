@@ -23,7 +23,6 @@ One spawn per world size (1 and 2) serves every check.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from harness import run_distributed
