@@ -76,6 +76,16 @@ class TrainingConfig:
     sgd_momentum: float = option(0.9, help="SGD momentum")
     bf16: bool = option(False, help="bf16 weights and activations, fp32 master weights")
     fp16: bool = option(False, help="fp16 weights and activations, fp32 master weights")
+    grad_reduce_in_bf16: bool = option(
+        False, help="under --bf16, accumulate and reduce the gradients in bf16 (megatron-core DDP's buffers, "
+                    "WeiPipe's and FSDP2's data-parallel reduction); without --bf16 no effect, as in Megatron-LM")
+    accumulate_allreduce_grads_in_fp32: bool = option(
+        False, help="accumulate and reduce the gradients in fp32: always under --bf16 unless "
+                    "--grad-reduce-in-bf16, under --fp16 only with this flag (Megatron-LM's rule)")
+    calculate_per_token_loss: bool = option(
+        False, help="the loss of a global batch is the sum of its masked token losses over the number of loss "
+                    "tokens of the whole batch (all microbatches, data- and context-parallel ranks), not the mean "
+                    "of per-microbatch means; gradients are divided by that count once, after their reduction")
     seed: int = option(1234, help="random seed (initialisation, dropout, data order)")
     eval_interval: int = option(1000, help="steps between validation runs")
     eval_iters: int = option(10, help="microbatch iterations per validation run")
@@ -195,6 +205,16 @@ class TrainingConfig:
         if self.train_samples is not None:
             return self.train_samples
         return max(self.train_iters, 1) * self.global_batch_size
+
+    @property
+    def grad_reduce_in_fp32(self) -> bool:
+        """megatron-core DDP's ``grad_reduce_in_fp32``, as Megatron-LM's arguments.py derives
+        --accumulate-allreduce-grads-in-fp32: forced on under --bf16 unless --grad-reduce-in-bf16
+        (which wins), as given under --fp16 (off: fp16 gradients); fp32 training has fp32
+        gradients either way."""
+        if self.bf16:
+            return not self.grad_reduce_in_bf16
+        return self.accumulate_allreduce_grads_in_fp32 or not self.fp16
 
     @property
     def compute_bytes(self) -> int:

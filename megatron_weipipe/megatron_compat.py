@@ -54,7 +54,6 @@ class MegatronCompatConfig:
     no_overlap_p2p_communication: bool = _noop("point-to-point communication is overlapped only with "
                                                "--overlap-p2p-comm (Megatron-LM overlaps it by default with "
                                                "virtual stages)")
-    accumulate_allreduce_grads_in_fp32: bool = _noop("gradients are always reduced in fp32 here")
     recompute_activations: bool = _noop("selective recomputation saves GPU memory; use --recompute-granularity "
                                         "full to recompute here")
     no_create_attention_mask_in_dataloader: bool = _noop("causal masks are built by the model")
@@ -77,9 +76,6 @@ class MegatronCompatConfig:
     use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
     rampup_batch_size: Optional[list[int]] = _refused("batch-size ramp-up changes the math; use a fixed "
                                                       "--global-batch-size")
-    calculate_per_token_loss: bool = _refused("normalising the loss by the tokens of the whole batch changes "
-                                              "the loss and gradients", default=False)
-    grad_reduce_in_bf16: bool = _refused("gradients are reduced in fp32 here", default=False)
     wandb_project: Optional[str] = _refused("Weights & Biases logging; use --tensorboard-dir")
 
     def validate(self) -> None:

@@ -28,7 +28,8 @@ MEGATRON_FLAGS = """
 --micro-batch-size --global-batch-size --train-iters --train-samples --lr --min-lr --decoupled-lr
 --decoupled-min-lr --lr-decay-style --lr-warmup-iters --lr-warmup-samples --lr-decay-samples
 --lr-warmup-fraction --lr-decay-iters --weight-decay --clip-grad --optimizer --adam-beta1 --adam-beta2 --adam-eps
---sgd-momentum --bf16 --fp16 --seed --eval-interval --eval-iters --skip-train --exit-interval
+--sgd-momentum --bf16 --fp16 --grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32 --calculate-per-token-loss
+--seed --eval-interval --eval-iters --skip-train --exit-interval
 --exit-duration-in-mins --exit-signal-handler --no-check-for-nan-in-loss-and-grad --skip-nan-steps
 --deterministic-mode --data-path --split --mock-data --data-cache-path --num-workers --reset-position-ids
 --reset-attention-mask --eod-mask-loss --tokenizer-type --tokenizer-model --vocab-size --save --load

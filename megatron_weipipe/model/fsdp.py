@@ -13,7 +13,16 @@ Under ``--bf16`` the sharded parameters stay float32 and are the optimizer's mas
 weights (no second fp32 copy): FSDP2's ``MixedPrecisionPolicy`` casts each unit's shard to
 bfloat16 before the all-gather, so forward and backward run on bfloat16 weights as in the
 non-FSDP ``--bf16`` path, and casts the bfloat16 gradients to float32 before the
-reduce-scatter, so they are reduced and accumulated in float32 (``grad_reduce_in_fp32``).
+reduce-scatter, so they are reduced and accumulated in float32 (``grad_reduce_in_fp32``);
+with ``--grad-reduce-in-bf16`` the reduce-scatter runs in bfloat16 (half the bytes) and
+the reduced shard is accumulated into the fp32 sharded gradient.
+
+Under ``--calculate-per-token-loss`` each rank's loss is an undivided sum of token losses:
+the reduce-scatter still averages over the group (FSDP2 runs a divide factor of 1 as
+NCCL's PreMulSum, which gloo lacks, unless sum-only reductions are forced, which only
+recent torch offers), and ``scale_gradients`` multiplies the training step's factor by
+the group size, one multiplication per gradient: the sum over ranks divided by the global
+token count, as with megatron-core's DDP.
 
 FSDP2 issues its collectives itself; every unit gets counting all-gather and
 reduce-scatter objects, so the bytes appear as ``fsdp`` in the log line (see
@@ -90,7 +99,8 @@ class FullyShardedModel(torch.nn.Module):
     ``zero_grad_buffer``, ``no_sync``)."""
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup, device_type: str, counter: ByteCounter,
-                 ddp_config, reshard_after_forward: bool = True, compute_dtype: torch.dtype = torch.float32):
+                 ddp_config, reshard_after_forward: bool = True, compute_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype = torch.float32):
         from torch.distributed import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -111,7 +121,7 @@ class FullyShardedModel(torch.nn.Module):
         if compute_dtype != torch.float32:
             # No input casts: the units' floating inputs (hidden states) are already in
             # the compute dtype, and RoPE's fp32 frequencies must stay fp32.
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                                                        cast_forward_inputs=False)
         previous = None
         for unit in units:
@@ -142,6 +152,15 @@ class FullyShardedModel(torch.nn.Module):
     def no_sync(self):
         return contextlib.nullcontext()
 
+    @torch.no_grad()
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the summed gradients by ``factor``: the sharded ones hold the group's
+        average, hence the group size (see the module docstring)."""
+        factor *= dist.get_world_size(self.group)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
     def start_grad_sync(self) -> None:
         pass
 
@@ -149,10 +168,10 @@ class FullyShardedModel(torch.nn.Module):
         pass
 
 
-def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config,
-              compute_dtype: torch.dtype = torch.float32) -> list[FullyShardedModel]:
+def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config, compute_dtype: torch.dtype = torch.float32,
+              reduce_dtype: torch.dtype = torch.float32) -> list[FullyShardedModel]:
     """Shard each chunk over the data x context parallel group (fp32 shards; all-gathered
-    in ``compute_dtype``)."""
+    in ``compute_dtype``, gradients reduce-scattered in ``reduce_dtype`` under mixed precision)."""
     return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config,
-                              compute_dtype=compute_dtype)
+                              compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
             for chunk in chunks]

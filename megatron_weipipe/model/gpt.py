@@ -91,6 +91,9 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deterministic_mode=t.deterministic,
+        # megatron-core's schedules then leave each microbatch's loss sum undivided and its DDP
+        # sums over data-parallel ranks; training/step.py divides by the global token count.
+        calculate_per_token_loss=t.calculate_per_token_loss,
         # gloo pairs sends to the same peer in posting order; unbatched p2p keeps flows apart.
         batch_p2p_comm=False,
         overlap_p2p_comm=p.overlap_p2p_comm,  # interleaved 1F1B only (ParallelConfig.resolved)

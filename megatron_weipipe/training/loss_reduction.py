@@ -3,6 +3,13 @@
 The per-microbatch losses stay on the device; the one ``.tolist()`` of the reduced vector
 is the iteration's host sync (host_values.py). Only after a NaN/Inf was counted does a
 second reduction name the first bad microbatch.
+
+Each microbatch reports an "lm loss" that is either its mean (a scalar) or, under
+--calculate-per-token-loss, the pair [sum of its token losses, its loss tokens] (Megatron-
+LM's loss_func). Both enter the reduction as (sum, count) pairs, a mean as (mean, 1): the
+logged loss is the summed sums over the summed counts, i.e. the mean of the microbatch
+means, or the global batch's per-token loss, whose count the training step also divides
+the gradients by.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from megatron_weipipe.parallel import ParallelGroups
 
 @dataclass
 class ReducedLosses:
-    """Sums over every rank: the finite losses and their count, the bad losses, the flags."""
+    """Sums over every rank: the finite losses and their count (microbatches, or loss tokens
+    under --calculate-per-token-loss), the bad losses, the flags."""
 
     total: float
     count: float
@@ -34,8 +42,13 @@ class ReducedLosses:
 
 
 def loss_values(result) -> list[torch.Tensor]:
-    """This rank's per-microbatch lm losses, where they are (no read-back)."""
-    return [d["lm loss"] for d in result.losses]
+    """This rank's per-microbatch lm losses as [sum, count] pairs, where they are (no read-back)."""
+    return [_as_pair(d["lm loss"]) for d in result.losses]
+
+
+def _as_pair(value: torch.Tensor) -> torch.Tensor:
+    value = value.detach().reshape(-1)
+    return value if value.numel() == 2 else torch.cat([value, torch.ones_like(value)])
 
 
 def reports_loss(result, groups: ParallelGroups) -> bool:
@@ -53,12 +66,12 @@ def reduce_losses(
     holds its own share of it).
     """
     device = ctx.platform.collective_device()
-    stacked = torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64) for v in losses]) \
-        if losses else torch.zeros(0, dtype=torch.float64, device=device)
-    finite = torch.isfinite(stacked)
+    stacked = torch.stack([v.to(device=device, dtype=torch.float64) for v in losses]) \
+        if losses else torch.zeros(0, 2, dtype=torch.float64, device=device)
+    finite = torch.isfinite(stacked[:, 0])
     none = torch.zeros((), dtype=torch.float64, device=device)
-    total = torch.where(finite, stacked, 0.0).sum() if contributes else none
-    count = finite.sum(dtype=torch.float64) if contributes else none
+    total = torch.where(finite, stacked[:, 0], 0.0).sum() if contributes else none
+    count = torch.where(finite, stacked[:, 1], 0.0).sum() if contributes else none
     bad = (~finite).sum(dtype=torch.float64) if checks else none
     reduced = all_reduce_values([total, count, bad, *flags], ctx.platform)
     return ReducedLosses(reduced[0], reduced[1], int(reduced[2]), reduced[3:])
@@ -68,7 +81,7 @@ def first_bad_microbatch(ctx: RunContext, losses: list[torch.Tensor], has_loss: 
     """(global rank, microbatch) of the first NaN/Inf loss anywhere (only after one was seen)."""
     code = 1 << 60
     if has_loss:
-        for i, v in enumerate(torch.stack([v.detach().reshape(()) for v in losses]).tolist() if losses else []):
+        for i, v in enumerate(torch.stack([v[0] for v in losses]).tolist() if losses else []):
             if not math.isfinite(v):
                 code = dist.get_rank() * 1_000_000 + i
                 break

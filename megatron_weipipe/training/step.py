@@ -60,9 +60,13 @@ def train_step(run: TrainingRun, iteration: int) -> StepOutcome:
     result = schedule.forward_backward(run.hooks.forward_step, microbatches)
     run.housekeeping.after_forward_backward()
     values = loss_values(result)
+    reduced = reduce_losses(ctx, values, reports_loss(result, ctx.groups), _exit_flags(run), checks=result.has_loss)
+    if run.cfg.training.calculate_per_token_loss:
+        # The gradients are sums of token-loss gradients over every microbatch and rank; the
+        # reduction just counted the global batch's loss tokens (megatron-core clamps to 1 too).
+        schedule.scale_gradients(1.0 / max(reduced.count, 1.0))
     if run.hooks.after_backward is not None:
         run.hooks.after_backward(iteration, schedule)
-    reduced = reduce_losses(ctx, values, reports_loss(result, ctx.groups), _exit_flags(run), checks=result.has_loss)
     faults.set_phase("optimizer step", iteration)
     if reduced.bad:
         _on_nan_loss(run, iteration, values, result.has_loss)

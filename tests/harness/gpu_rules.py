@@ -10,32 +10,39 @@ from harness.syncs import SyncCounter
 FORWARD_BACKWARD = "forward_backward"  # the schedule's forward_backward, inside "forward/backward"
 
 
-def train_under_gpu_rules(rank: int, world_size: int, argvs: list[list[str]]) -> list[dict]:
-    """Train each flag set with both checks installed. Per run: the iterations, the syncs
-    {region: {site: calls}} (regions: the loop's phases from ``faults.set_phase``, and
-    FORWARD_BACKWARD), the host tensors that reached would-be NCCL calls (as text) and how
-    many such calls were checked."""
-    import pretrain_gpt
-    from megatron.core import parallel_state
+class GpuRules:
+    """Both checks around one training run of ``cfg``: the syncs {region: {site: calls}}
+    (regions: the loop's phases from ``faults.set_phase``, and FORWARD_BACKWARD), the host
+    tensors that reached would-be NCCL calls (as text) and how many such calls were checked.
+    Build the run's models through ``model_provider`` (their parameters live on the device)."""
 
-    from megatron_weipipe import faults
-    from megatron_weipipe.arguments import parse_config
-    from megatron_weipipe.model.gpt_step import forward_step
-    from megatron_weipipe.schedules import registry
-    from megatron_weipipe.training.pretrain import pretrain
+    def __init__(self, cfg) -> None:
+        from megatron_weipipe.schedules import registry
 
-    out = []
-    for argv in argvs:
-        cfg = parse_config(argv, world_size=world_size)
-        devices = DeviceDiscipline()
-        syncs = SyncCounter(is_host=devices.is_host)
-        schedule_class = registry.train_class(cfg.schedule_name)
-        plain_forward_backward, plain_set_phase = schedule_class.forward_backward, faults.set_phase
-        phase = []
+        self.devices = DeviceDiscipline()
+        self.syncs = SyncCounter(is_host=self.devices.is_host)
+        self.schedule_class = registry.train_class(cfg.schedule_name)
+        self._phase: list = []
 
-        def forward_backward(self, *args, **kwargs):
+    def model_provider(self, provider):
+        def model_provider(*args, **kwargs):
+            return self.devices.mark_module(provider(*args, **kwargs))
+        return model_provider
+
+    def __enter__(self) -> "GpuRules":
+        from megatron_weipipe import faults
+        from megatron_weipipe.byte_counter import process_byte_counter
+
+        # torch.distributed's counting wrappers first (start-up installs them once per
+        # process): the discipline wraps them and puts them back, so ctx.bytes keeps counting.
+        process_byte_counter()
+
+        syncs, phase = self.syncs, self._phase
+        self._plain = plain_forward_backward, plain_set_phase = self.schedule_class.forward_backward, faults.set_phase
+
+        def forward_backward(schedule, *args, **kwargs):
             with syncs.region(FORWARD_BACKWARD):
-                return plain_forward_backward(self, *args, **kwargs)
+                return plain_forward_backward(schedule, *args, **kwargs)
 
         def set_phase(name, iteration=None):
             while phase:
@@ -44,20 +51,42 @@ def train_under_gpu_rules(rank: int, world_size: int, argvs: list[list[str]]) ->
             phase[-1].__enter__()
             return plain_set_phase(name, iteration)
 
-        def model_provider(*args, **kwargs):
-            return devices.mark_module(pretrain_gpt.model_provider(*args, **kwargs))
+        self.schedule_class.forward_backward, faults.set_phase = forward_backward, set_phase
+        self.devices.install()
+        syncs.__enter__()
+        return self
 
-        schedule_class.forward_backward, faults.set_phase = forward_backward, set_phase
-        devices.install()
+    def __exit__(self, *exc) -> None:
+        from megatron_weipipe import faults
+
         try:
-            with syncs:
-                state = pretrain(cfg, model_provider, forward_step)
+            self.syncs.__exit__(*exc)
         finally:
-            devices.uninstall()
-            schedule_class.forward_backward, faults.set_phase = plain_forward_backward, plain_set_phase
-            while phase:
-                phase.pop().__exit__(None, None, None)
-        out.append({"iterations": state.iteration, "syncs": {k: dict(v) for k, v in syncs.calls.items()},
-                    "checked": devices.checked_calls, "host_tensors": sorted({str(v) for v in devices.violations})})
+            self.devices.uninstall()
+            self.schedule_class.forward_backward, faults.set_phase = self._plain
+            while self._phase:
+                self._phase.pop().__exit__(None, None, None)
+
+    def report(self, iterations: int) -> dict:
+        return {"iterations": iterations, "syncs": {k: dict(v) for k, v in self.syncs.calls.items()},
+                "checked": self.devices.checked_calls,
+                "host_tensors": sorted({str(v) for v in self.devices.violations})}
+
+
+def train_under_gpu_rules(rank: int, world_size: int, argvs: list[list[str]]) -> list[dict]:
+    """Train each flag set with both checks installed (GpuRules' report per run)."""
+    import pretrain_gpt
+    from megatron.core import parallel_state
+
+    from megatron_weipipe.arguments import parse_config
+    from megatron_weipipe.model.gpt_step import forward_step
+    from megatron_weipipe.training.pretrain import pretrain
+
+    out = []
+    for argv in argvs:
+        cfg = parse_config(argv, world_size=world_size)
+        with GpuRules(cfg) as rules:
+            state = pretrain(cfg, rules.model_provider(pretrain_gpt.model_provider), forward_step)
+        out.append(rules.report(state.iteration))
         parallel_state.destroy_model_parallel()
     return out

@@ -98,3 +98,10 @@ class TrainSchedule(ABC):
     def zero_grad(self) -> None:
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply this rank's reduced gradients by ``factor`` (--calculate-per-token-loss:
+        1 / the global batch's loss tokens), as megatron-core's finalize_model_grads does:
+        every model chunk's wrapper scales its own buffers."""
+        for chunk in self.model_chunks:
+            chunk.scale_gradients(factor)

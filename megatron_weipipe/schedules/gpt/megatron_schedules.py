@@ -20,7 +20,9 @@ from megatron_weipipe.schedules.gpt.base import ForwardStep, ModelProvider, Step
 def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
     p = cfg.parallel
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        # fp32 gradient buffers and reduction unless --grad-reduce-in-bf16 (or --fp16 without
+        # --accumulate-allreduce-grads-in-fp32): Megatron-LM's rule, TrainingConfig.grad_reduce_in_fp32
+        grad_reduce_in_fp32=cfg.training.grad_reduce_in_fp32,
         overlap_grad_reduce=p.overlap_grad_reduce,
         use_distributed_optimizer=p.use_distributed_optimizer,
         overlap_param_gather=p.overlap_param_gather,
@@ -33,6 +35,18 @@ def ddp_config(cfg: PretrainConfig) -> DistributedDataParallelConfig:
         disable_symmetric_registration=cfg.parallel.disable_symmetric_registration,
         bucket_size=None,
     )
+
+
+def finalize_summed_grads(model, num_tokens=None, *args, **kwargs):
+    """megatron-core's finalize_model_grads without its per-token division.
+
+    Under --calculate-per-token-loss megatron-core's schedules pass this rank's token count;
+    its finalize_model_grads would reduce the count over pipeline and data-parallel ranks
+    and divide (0.16 reads the count back to the host to do so, inside forward_backward).
+    The global count is already in the iteration's one reduction (training/loss_reduction.py),
+    after which the training step divides every schedule's gradients the same way.
+    """
+    return finalize_model_grads(model, None, *args, **kwargs)
 
 
 def wrap_ddp(cfg: PretrainConfig, chunks: list[torch.nn.Module]) -> list[DistributedDataParallel]:
@@ -85,11 +99,14 @@ class MegatronSchedule(TrainSchedule):
             from megatron_weipipe.model.fsdp import wrap_fsdp
 
             dtype = torch.bfloat16 if self.cfg.training.bf16 else torch.float32
-            self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg), compute_dtype=dtype)
+            reduce_dtype = torch.float32 if self.cfg.training.grad_reduce_in_fp32 else dtype
+            self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg), compute_dtype=dtype,
+                                          reduce_dtype=reduce_dtype)
             config.finalize_model_grads_func = None  # FSDP reduce-scatters in backward
             return self.model_chunks
         self.model_chunks = wrap_ddp(self.cfg, chunks)
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = finalize_summed_grads if config.calculate_per_token_loss else \
+            finalize_model_grads
         if self.cfg.parallel.overlap_grad_reduce:
             config.no_sync_func = _one_or_list([m.no_sync for m in self.model_chunks])
             config.grad_sync_func = _one_or_list([m.start_grad_sync for m in self.model_chunks])

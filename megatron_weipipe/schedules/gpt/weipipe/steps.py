@@ -5,7 +5,9 @@ that reads a batch and defines the loss: it is called with a stand-in model that
 records the inputs (tokens, positions, mask, labels), and the ``loss_func`` it returns
 is applied to the per-token loss that the replicated output layer computes later. The
 loss is then scaled exactly as megatron-core's forward_step_calc_loss scales it, so
-gradients equal those of Megatron's schedules.
+gradients equal those of Megatron's schedules. Under --calculate-per-token-loss it is the
+microbatch's undivided loss sum: the ring and the data-parallel reduction sum the
+gradients, and the training step divides them once by the global batch's token count.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ class Microbatch:
 class _RecordingModel:
     """Stands in for the GPTModel inside forward_step: remembers the call, computes nothing."""
 
-    def __init__(self, signature: inspect.Signature, long_context=None):
+    def __init__(self, signature: inspect.Signature, long_context=None, config=None):
         self.signature = signature
         self.inputs: Optional[dict] = None
         self.long_context = long_context  # context-parallel sharding settings, read by forward_step
+        self.config = config  # the TransformerConfig (forward_step reads calculate_per_token_loss)
 
     def __call__(self, *args, **kwargs):
         bound = self.signature.bind(*args, **kwargs)
@@ -52,7 +55,7 @@ def prepare_microbatches(forward_step: Callable, model: torch.nn.Module, batches
     signature = inspect.signature(model.forward)
     out = []
     for i, batch in enumerate(batches):
-        recorder = _RecordingModel(signature, getattr(model, "long_context", None))
+        recorder = _RecordingModel(signature, getattr(model, "long_context", None), getattr(model, "config", None))
         _, loss_func = forward_step(iter([batch]), recorder)
         if recorder.inputs is None:
             raise ValueError("forward_step did not call the model")
@@ -71,8 +74,7 @@ class GPTEnds:
         self.num_microbatches = num_microbatches  # N = G * P: Megatron's per-replica count
         self.cp_size = cp_size
         self._rotary: dict[int, Any] = {}
-        if getattr(self.config, "calculate_per_token_loss", False):
-            raise ValueError("WeiPipe schedules do not support calculate_per_token_loss")
+        self.per_token = bool(getattr(self.config, "calculate_per_token_loss", False))
 
     def rotary(self, seq_len: int):
         """The rotary embedding is a constant of the sequence length: computed once."""
@@ -104,10 +106,10 @@ class GPTEnds:
         outputs = mb.loss_func(self.per_token_loss(hidden, mb))
         if len(outputs) == 3:
             loss, num_tokens, mb.reported = outputs
-            loss = loss / torch.clamp(num_tokens, min=1)
+            if not self.per_token:
+                loss = loss / torch.clamp(num_tokens, min=1) / self.num_microbatches
         else:
             loss, mb.reported = outputs
-            loss = loss * self.cp_size
-        loss = loss / self.num_microbatches
+            loss = loss * self.cp_size / self.num_microbatches
         scale = getattr(self.config, "grad_scale_func", None)
         return scale(loss) if scale is not None else loss
