@@ -50,8 +50,6 @@ class MegatronCompatConfig:
     tp_comm_overlap: bool = _noop("communication overlap (Transformer Engine)")
     overlap_param_gather: bool = _noop("communication overlap of the distributed optimizer's all-gather")
     accumulate_allreduce_grads_in_fp32: bool = _noop("gradients are always reduced in fp32 here")
-    recompute_activations: bool = _noop("selective recomputation saves GPU memory; use --recompute-granularity "
-                                        "full to recompute here")
     manual_gc: bool = _noop("Python garbage-collection timing")
     manual_gc_interval: int = _noop("Python garbage-collection timing", default=0)
     empty_unused_memory_level: int = _noop("CUDA caching-allocator handling", default=0)
