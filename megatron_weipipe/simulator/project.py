@@ -250,7 +250,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     act_opts = memory.ActivationOptions(impl=impl, flash_attention=(core == "flash") or None,
                                         dtype_bytes=spec.compute_bytes,
                                         dropout=spec.dropout, tp=lay.tp, cp=lay.cp,
-                                        sequence_parallel=spec.sequence_parallel)
+                                        sequence_parallel=spec.sequence_parallel, recompute=spec.recompute_modules)
     k = spec.layers_per_chunk
     per_layer = memory.layer_activation_bytes(s, act_opts)
     per_input = memory.layer_input_bytes(s, act_opts)
@@ -266,8 +266,12 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         long_mode = "ulysses"
     # FPDT runs the norms in chunks (model/long_context.py chunk_norms), WeiPipe's rings aside
     norm_chunks = spec.fpdt.num_chunks(s.seq_length) if fp is not None and not spec.is_weipipe else 1
+    # selective recomputation: one recomputed module's saved tensors again during its backward
+    redone = memory.recomputed_bytes(s, act_opts)
     if long_mode is not None:
         per_layer = memory.long_context_layer_bytes(s, act_opts, long_mode, norm_chunks)
+        redone = memory.recomputed_bytes(
+            s, act_opts, lambda shape, o: memory.long_context_layer_bytes(shape, o, long_mode, norm_chunks))
         if fp is not None and not spec.is_weipipe:
             logits = memory.chunked_loss_bytes(s, act_opts, spec.fpdt.loss_num_chunks(s.seq_length), norm_chunks)
         else:  # Ulysses; and WeiPipe's ring model computes megatron-core's loss, unchunked, under FPDT too
@@ -283,7 +287,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
                 acts, transient = in_flight[r] * units * per_input, redo * per_layer
                 acts, offloaded = _offloaded_inputs(spec, acts, per_input)
             else:
-                acts, transient = in_flight[r] * k * per_layer, 0.0
+                acts, transient = in_flight[r] * k * per_layer, redone
                 if r > 0 and not spec.is_weipipe:
                     acts += in_flight[r] * per_input  # megatron-core keeps each received input tensor
             scratch = memory.long_context_norm_scratch_bytes(s, act_opts, norm_chunks)
@@ -308,7 +312,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
             transient = redo * per_layer
         else:
             acts = in_flight[r] * k * per_layer
-            transient = 0.0
+            transient = redone
         if long_mode is None:
             transient += memory.attention_scratch_bytes(s, act_opts)
             if spec.is_weipipe or r == lay.pp - 1:

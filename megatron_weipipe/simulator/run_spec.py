@@ -38,6 +38,7 @@ class RunSpec:
     schedule: str
     virtual_stages: int = 2  # interleaved: model chunks per rank
     recompute: bool = False  # full activation recomputation
+    recompute_modules: tuple[str, ...] = ()  # selective recomputation: --recompute-modules (core_attn, mlp, layernorm)
     compute_bytes: int = 2  # bf16 weights and activations (4 for the fp32 CPU runs)
     weipipe_grad_bytes: int = 4  # the gradient flow (--weipipe-grad-dtype)
     sequence_parallel: bool = False
@@ -179,9 +180,12 @@ def _model_config(spec: RunSpec, base: PretrainConfig, kept: bool):
         long_context = spec.layout.cp > 1 or spec.fpdt is not None
         p = DEFAULT_DROPOUT if spec.dropout else 0.0
         own.update(hidden_dropout=p, attention_dropout=0.0 if long_context else p)
-    if not (kept and spec.recompute == (m.recompute_granularity == "full")):
-        own.update(recompute_granularity="full" if spec.recompute else None,
-                   recompute_method="uniform" if spec.recompute else None, recompute_num_layers=None)
+    if not (kept and spec.recompute == (m.recompute_granularity == "full")
+            and spec.recompute_modules == m.selective_modules):
+        granularity = "full" if spec.recompute else ("selective" if spec.recompute_modules else None)
+        own.update(recompute_granularity=granularity, recompute_method="uniform" if spec.recompute else None,
+                   recompute_num_layers=None, recompute_activations=False,
+                   recompute_modules=list(spec.recompute_modules) if granularity == "selective" else None)
     gqa = m.group_query_attention if kept else s.num_query_groups is not None
     return replace(m, **own, group_query_attention=gqa, offload_layer_inputs=spec.offload_layer_inputs)
 
@@ -249,6 +253,7 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
     return RunSpec(
         shape=shape, layout=layout, global_batch_size=t.global_batch_size, schedule=cfg.schedule_name,
         virtual_stages=virtual_stages, recompute=m.recompute_granularity == "full" or offload_checkpoints,
+        recompute_modules=() if offload_checkpoints else m.selective_modules,
         compute_bytes=t.compute_bytes, weipipe_grad_bytes=2 if p.weipipe_grad_dtype == "bf16" else 4,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer, zero3=zero3,
         torch_fsdp2=p.use_torch_fsdp2, offload_layer_inputs=offload_checkpoints, attention_impl=attention_impl,
