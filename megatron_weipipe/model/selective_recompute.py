@@ -74,17 +74,25 @@ def install_mlp_bias_fix(model: torch.nn.Module) -> None:
         mlp.forward, mlp.bias_as_view = forward, True
 
 
+def _set_forward_rng(states: dict) -> None:
+    """Every RNG state as the forward found it: CPU, device, megatron-core's tracker."""
+    from megatron.core.tensor_parallel.random import _set_all_rng_states
+
+    _set_all_rng_states(*states["rng"])
+
+
 @contextlib.contextmanager
 def _replayed(states: dict):
-    """Around a recompute: the forward's RNG states and context variables, restored after."""
-    from megatron.core.tensor_parallel.random import _fork_rng, _set_all_rng_states
+    """Around a recompute: the forward's RNG states and context variables (WeiPipe's deferred
+    weight-gradient scope among them), the CPU adapter's mode; all restored after."""
+    from megatron.core.tensor_parallel.random import _fork_rng
 
     from megatron_weipipe.platform import adapter_mode
 
     tokens = [(var, var.set(value)) for var, value in states["context"].items()]
     try:
         with adapter_mode(), _fork_rng():
-            _set_all_rng_states(*states["rng"])
+            _set_forward_rng(states)
             yield
     finally:
         for var, token in reversed(tokens):
