@@ -39,7 +39,8 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     """Bytes one layer saves for its backward, one microbatch, one rank. Under selective
     recomputation (megatron-core's, measured tensor by tensor on local layers): core_attn
     keeps only the core attention's inputs (q and k as rotated, the QKV projection's output
-    that v views) and none of its scores, probabilities, masks or log-sum-exp; mlp keeps
+    that v views) and none of its scores, probabilities, masks or log-sum-exp (a fused
+    kernel keeps about its inputs anyway: only the log-sum-exp goes); mlp keeps
     only the MLP's input (on Transformer Engine layers, whose fc1 holds the pre-MLP norm,
     also none of that norm's output and statistics); layernorm keeps each norm's input,
     not its output, statistics or normalised copy (TE layers' norms are inside their
@@ -68,7 +69,7 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     replicated = sb * per_token / (tp if o.sequence_parallel else 1)
     # split over TP: attention inputs/outputs, MLP intermediates
     split_tok = a * d * e  # attention output (projection input)
-    if unfused and core_attn:
+    if unfused and core_attn and not flash:
         split_tok += (shape.qkv_width + ((a + g) * d if rope else 0)) * e  # the checkpoint's q, k, v
     elif unfused:
         qkv = 0.0 if (rope and g < a) else shape.qkv_width

@@ -157,10 +157,7 @@ class WeiPipeRuntime:
         `offload` (model/layer_offload.LayerInputStore), with `recompute`: each chunk's
         input waits on the host between its forward and its backward, the input of the
         next backward on this rank's list prefetched while the current one runs.
-        `rebind`: the template runs parts of itself again during a backward (selective
-        recomputation inside its modules): while a backward runs, its parameters are bound
-        to views of the backward-weight buffer, so a recomputed piece reads the weights the
-        backward uses (the gradient still flows through the forward's graph)."""
+        `rebind`: a backward binds the template to the backward-weight buffer (selective recompute)."""
         if weight_pass not in RUNTIME_WEIGHT_PASSES:
             raise ValueError(f"weight_pass must be {one_of(RUNTIME_WEIGHT_PASSES)}, not {weight_pass!r}")
         self.tracer = tracer
@@ -191,8 +188,7 @@ class WeiPipeRuntime:
         self.actions = schedule.actions(self.ring_rank)
         self.steps = rank_posts(schedule, self.ring_rank, order=order, lookahead=lookahead)
         self.batch_p2p = dist.get_backend(ring_group) == "nccl"
-        self.offload = offload if recompute else None
-        self.rebind = rebind
+        self.offload, self.rebind = (offload if recompute else None), rebind
         backwards = [(a.mb, a.chunk) for a in self.actions if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT)]
         self.next_backward = dict(zip(backwards, backwards[1:]))
 
@@ -391,14 +387,8 @@ class _IterationState:
                                    self.chunk_kwargs(self.mbs[mb]))
 
     def _bound(self, flat: torch.Tensor) -> ContextManager:
-        """The template's parameters as views of `flat` (with `rebind`; else nothing). They
-        require gradients as the forward's did, so a recompute takes the forward's code
-        paths; its graph only yields saved tensors, no gradient reaches them."""
-        if not self.rt.rebind:
-            return contextlib.nullcontext()
-        from torch.nn.utils.stateless import _reparametrize_module
-
-        return _reparametrize_module(self.rt.template, self.rt.layout.views(flat.detach().requires_grad_(True)))
+        """With `rebind`, the template's parameters as views of `flat` (FlatViews.bound)."""
+        return self.rt.layout.bound(self.rt.template, flat) if self.rt.rebind else contextlib.nullcontext()
 
     def _forward(self, i: int, a: Action) -> None:
         flat = self._get(a, a.buffer)
@@ -464,11 +454,8 @@ class _IterationState:
         split_now = not weight_too and self.rt.weight_pass in (WeightPass.STORED, WeightPass.DEFERRED)
         both = weight_too or split_now
         inputs = ([s.x] if want_x else []) + ([s.anchor] if both else [])
-        if inputs:
-            with self._bound(bwd):
-                grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not both, allow_unused=True)
-        else:
-            grads = ()
+        with self._bound(bwd):
+            grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not both, allow_unused=True) if inputs else ()
         if want_x:
             self._pass_down(a, s, grads[0])
         if weight_too:
@@ -498,10 +485,9 @@ class _IterationState:
                 add(name, g)
             self.wgrad.flush((a.mb, a.chunk), add)
             return
-        if s.dw is None:
-            with self._bound(s.bwd_flat):
-                s.dw = torch.autograd.grad(s.y, [s.anchor], s.dy)[0]
-        self._add_weight_grad(a, s.dw)
+        with self._bound(s.bwd_flat):
+            dw = s.dw if s.dw is not None else torch.autograd.grad(s.y, [s.anchor], s.dy)[0]
+        self._add_weight_grad(a, dw)
 
     def _pass_down(self, a: Action, s: _Saved, dx: torch.Tensor) -> None:
         if a.chunk > 0:
