@@ -90,6 +90,22 @@ def test_tflops_count_no_recomputation_as_megatron_lm():
         assert model_flops_per_iteration(cfg, vocab_size=257) == by_hand
 
 
+def test_the_simulator_charges_each_backward_what_it_recomputes():
+    """The share of a layer's forward run again in backward (python -m tools.simulate's time model),
+    by hand for this GPT layer: GEMMs 24 T h^2, causal attention 2 b s^2 h, the MLP's GEMMs 16 T h^2."""
+    from megatron_weipipe.simulator.run_spec import spec_from_config
+
+    b, s, h = 2, 32, 32
+    forward = 24 * b * s * h * h + 2 * b * s * s * h
+    shares = {"core_attn": 2 * b * s * s * h / forward, "mlp": 16 * b * s * h * h / forward, "layernorm": 0.0}
+    for module, share in shares.items():
+        spec = spec_from_config(parse_config(_selective({}, [module]), world_size=1))
+        assert spec.recompute_share == pytest.approx(share, rel=1e-12)
+    full = parse_config(tiny_gpt_args(recompute_granularity="full", recompute_method="uniform"), world_size=1)
+    assert spec_from_config(full).recompute_share == 1.0
+    assert spec_from_config(parse_config(tiny_gpt_args(), world_size=1)).recompute_share == 0.0
+
+
 # ---- the dry run and the estimator ------------------------------------------------------------------
 
 DRY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "

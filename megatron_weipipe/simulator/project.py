@@ -101,7 +101,7 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
 def _stage_costs(spec: RunSpec, costs: CostModel) -> tuple[float, float, float]:
     """(F, I, W) seconds of one stage, which a costed timeline's order is built for."""
     t = costs.for_layers(spec.layers_per_chunk).module
-    return t.forward, t.backward_input + (t.forward if costs.recompute else 0.0), t.backward_weight
+    return t.forward, t.backward_input + t.forward * costs.recompute, t.backward_weight
 
 
 @dataclass

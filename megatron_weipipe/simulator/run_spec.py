@@ -81,6 +81,18 @@ class RunSpec:
         return registry.training_entry(self.schedule).is_weipipe
 
     @property
+    def recompute_share(self) -> float:
+        """Of a layer's forward, what its backward runs again: all of it under full
+        recomputation; under selective, by FLOPs, the core attention's share (core_attn) and
+        the MLP GEMMs' (mlp); the norms' elementwise work counts as nothing (layernorm)."""
+        if self.recompute:
+            return 1.0
+        s = self.shape
+        mlp = 2.0 * s.tokens * s.hidden_size * s.ffn * (3 if s.swiglu else 2)
+        parts = {"core_attn": s.attention_flops(), "mlp": mlp}
+        return sum(parts.get(m, 0.0) for m in self.recompute_modules) / (s.layer_gemm_flops() + s.attention_flops())
+
+    @property
     def has_virtual_stages(self) -> bool:
         return registry.training_entry(self.schedule).virtual_stages
 
