@@ -86,7 +86,7 @@ class ModelConfig:
         help="with --recompute-granularity selective, what every layer recomputes in backward instead of "
              "keeping (megatron-core's recompute_modules; default core_attn): core_attn (the attention "
              "scores, probabilities and their dropout), mlp (the MLP's intermediates), layernorm (the two "
-             "norms' outputs); MoE/MLA modules are refused (no such layers here)")
+             "norms' outputs); MoE, MLA, GatedDelta and mHC modules are refused (no such layers here)")
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "
                                                            "layers per stage (block)")
