@@ -6,13 +6,15 @@ and dropout mask rebuilt in backward from the saved RNG states, the model-parall
 tracker's included, so the dropout mask is the forward's), with ``mlp`` its TransformerLayer
 does the same for the MLP, and with ``layernorm`` it frees each norm's output once the next
 module has run and rebuilds it from a gradient hook (``tensor_parallel.CheckpointWithoutOutput``).
-This module adds two things megatron-core's versions need here:
+This module adds what megatron-core's versions need here:
 
 - ``install_norm_fix``: megatron-core's CheckpointWithoutOutput reads Transformer Engine's
   FP8 state whenever it is built without an ``fp8`` argument (``fp8 is not None`` is always
   true; so in 0.16.1 and 0.19.2), which TransformerLayer does: without TE every layernorm
   recompute fails with a NameError. Where TE is absent the class is replaced by one that
   takes its plain (non-FP8) path.
+- ``install_mlp_bias_fix``: an MLP with biases hands its output bias back as a view, or
+  megatron-core's MLP checkpoint recurses forever in backward (its docstring says why).
 - ``for_autograd_grad``: WeiPipe's runtime backpropagates each chunk with
   ``torch.autograd.grad`` and calls its modules through ``functional_call`` on circulating
   weights. megatron-core's checkpoints are reentrant: they refuse ``.grad()`` and send the
