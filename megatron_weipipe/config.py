@@ -329,14 +329,18 @@ class PretrainConfig:
 
     def with_derived_defaults(self, schedule_name: str) -> "PretrainConfig":
         """A copy with every default that depends on other values filled in: the global
-        batch, the schedule, what Megatron-LM turns off (ParallelConfig.resolved), and the data's
-        sequence length and seed."""
+        batch, the schedule, what Megatron-LM turns off (ParallelConfig.resolved), selective
+        recomputation (from --recompute-activations), and the data's sequence length and seed."""
         t, mp = self.training, self.parallel.model_parallel_size
         gbs = t.global_batch_size
         if gbs is None and mp > 0 and self.world_size % mp == 0:
             gbs = t.micro_batch_size * self.data_parallel_size
+        m = self.model
+        if m.recompute_activations:  # Megatron-LM's shorthand, over any --recompute-granularity
+            m = replace(m, recompute_granularity="selective")
         return replace(
             self,
+            model=m,
             training=replace(t, global_batch_size=gbs),
             parallel=self.parallel.resolved(schedule_name),
             data=replace(self.data, seq_length=self.model.seq_length, seed=t.seed,
@@ -411,6 +415,11 @@ class PretrainConfig:
                     "applies no query/key norms)")
         if self.fpdt.enabled:
             self.fpdt.validate(m.seq_length, p.context_parallel_size)
+            require("core_attn" not in m.selective_modules,
+                    "--recompute-modules core_attn (selective recomputation's default) does not apply with --fpdt: "
+                    "its chunked attention keeps no [s, s] scores (q, k, v, output and log-sum-exp per chunk, on the "
+                    "host with --fpdt-offload) and recomputes the scores block by block in backward; use "
+                    "--recompute-modules layernorm")
         self.fp8.validate(long_context=self._long_context(),
                           sharded_params=p.use_distributed_optimizer or p.use_torch_fsdp2)
         if p.use_torch_fsdp2:

@@ -54,8 +54,6 @@ class MegatronCompatConfig:
     no_overlap_p2p_communication: bool = _noop("point-to-point communication is overlapped only with "
                                                "--overlap-p2p-comm (Megatron-LM overlaps it by default with "
                                                "virtual stages)")
-    recompute_activations: bool = _noop("selective recomputation saves GPU memory; use --recompute-granularity "
-                                        "full to recompute here")
     no_create_attention_mask_in_dataloader: bool = _noop("causal masks are built by the model")
     no_mmap_bin_files: bool = _noop("how the indexed dataset is read")
     ckpt_fully_parallel_save: bool = _noop("deprecated in Megatron-LM, without effect there too; which replica "

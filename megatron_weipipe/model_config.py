@@ -16,6 +16,13 @@ from megatron_weipipe.shape import ModelShape, ffn_hidden_size
 # Megatron-LM's --attention-backend values (model/sdpa_attention.py, model/gpt.py and
 # platform.py say which core attention each selects).
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+# megatron-core's TransformerConfig.recompute_modules: the dense layers this package builds
+# recompute these three; the rest belong to layers it never builds (MoE, MLA, GatedDelta, mHC).
+SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
+NOT_BUILT_MODULES = {"moe_act": "mixture-of-experts", "moe": "mixture-of-experts",
+                     "shared_experts": "mixture-of-experts", "mla_up_proj": "multi-latent attention",
+                     "gdn_norm_out": "GatedDeltaNet", "gdp_in_proj": "GatedDeltaProduct",
+                     "gdp_qkv": "GatedDeltaProduct", "mhc": "mHC"}
 
 
 @dataclass
@@ -68,7 +75,18 @@ class ModelConfig:
              "scaled_dot_product_attention (on a GPU its flash/cuDNN/memory-efficient kernels only), "
              "unfused/local = megatron-core's DotProductAttention; Transformer Engine layers: TE's "
              "flash/fused/unfused choice (NVTE_*_ATTN), local = local layers")
-    recompute_granularity: Optional[str] = option(None, help="activation recomputation: full or selective")
+    recompute_activations: bool = option(
+        False, help="selective activation recomputation: sets --recompute-granularity selective, as in Megatron-LM")
+    recompute_granularity: Optional[str] = option(
+        None, choices=("full", "selective"),
+        help="activation recomputation: full (whole layers from their inputs) or selective (the "
+             "--recompute-modules inside every layer, megatron-core's)")
+    recompute_modules: Optional[list[str]] = option(
+        None, choices=SELECTIVE_MODULES + tuple(NOT_BUILT_MODULES),
+        help="with --recompute-granularity selective, what every layer recomputes in backward instead of "
+             "keeping (megatron-core's recompute_modules; default core_attn): core_attn (the attention "
+             "scores, probabilities and their dropout), mlp (the MLP's intermediates), layernorm (the two "
+             "norms' outputs); MoE, MLA, GatedDelta and mHC modules are refused (no such layers here)")
     recompute_method: Optional[str] = option(None, help="with full recomputation: uniform or block")
     recompute_num_layers: Optional[int] = option(None, help="layers per recomputed group (full) or recomputed "
                                                            "layers per stage (block)")
@@ -121,11 +139,35 @@ class ModelConfig:
         if self.recompute_granularity == "full":
             require(self.recompute_method in ("uniform", "block"),
                     "--recompute-granularity full needs --recompute-method uniform or block")
+        if self.recompute_granularity == "selective":
+            self._validate_selective()
         require(not self.offload_layer_inputs or self.recompute_granularity == "full",
                 "--offload-layer-inputs needs --recompute-granularity full (it offloads the layer inputs that "
                 "full recomputation keeps)")
         require(0.0 <= self.hidden_dropout < 1.0, "--hidden-dropout must be in [0, 1)")
         require(0.0 <= self.attention_dropout < 1.0, "--attention-dropout must be in [0, 1)")
+
+    def _validate_selective(self) -> None:
+        """Megatron-LM's rules of selective recomputation, and the modules this package builds."""
+        require(self.recompute_method is None,
+                "--recompute-method applies to --recompute-granularity full only (Megatron-LM: not supported "
+                "for selective recomputation)")
+        require(self.recompute_num_layers is None,
+                "--recompute-num-layers applies to --recompute-granularity full only (megatron-core: must be "
+                "None for selective recomputation)")
+        for name in self.selective_modules:
+            require(name not in NOT_BUILT_MODULES,
+                    f"--recompute-modules {name} recomputes part of a {NOT_BUILT_MODULES.get(name)} layer, "
+                    "which this package does not build")
+            require(name in SELECTIVE_MODULES, f"--recompute-modules {name} is not one of {', '.join(SELECTIVE_MODULES)}")
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """What every layer recomputes in backward under selective recomputation (megatron-core's
+        default ``core_attn`` when --recompute-modules is not given); () without it."""
+        if self.recompute_granularity != "selective":
+            return ()
+        return tuple(self.recompute_modules) if self.recompute_modules is not None else ("core_attn",)
 
     @property
     def query_groups(self) -> int:

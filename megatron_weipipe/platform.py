@@ -352,6 +352,13 @@ def _cpu_set_rng_state(new_state, *args, **kwargs):
     torch.set_rng_state(new_state)
 
 
+def adapter_mode():
+    """What code run from inside a backward (a recompute) enters to see the CPU adapter
+    again: its function mode where the adapter is installed (a backward runs without
+    it, see ``install_cpu_adapter``), nothing elsewhere."""
+    return _CudaToCpuMode() if _installed else contextlib.nullcontext()
+
+
 def install_cpu_adapter() -> None:
     """Make megatron-core's CUDA-only calls work on CPU tensors. Idempotent; no-op on GPU hosts."""
     global _installed

@@ -157,12 +157,13 @@ class ModelShape:
         """Forward FLOPs of the output layer (logits)."""
         return 2.0 * self.tokens * self.hidden_size * self.padded_vocab()
 
-    def model_flops_per_microbatch(self, causal_fraction: float = 0.5, recompute: bool = False) -> float:
-        """Training FLOPs of one microbatch: 3 x forward (4 x with full recomputation).
+    def model_flops_per_microbatch(self, causal_fraction: float = 0.5) -> float:
+        """Training FLOPs of one microbatch: 3 x forward (model FLOPs: a recomputed forward,
+        full or selective, is not counted, as in Megatron-LM's logged TFLOP/s).
 
         causal_fraction 0.5 counts the attention a causal kernel really computes; 1.0 counts
         the full square, which is Megatron-LM's convention for the logged TFLOP/s.
         """
         fwd = (self.num_layers * (self.layer_gemm_flops() + self.attention_flops(causal_fraction))
                + self.head_flops())
-        return (4.0 if recompute else 3.0) * fwd
+        return 3.0 * fwd

@@ -20,7 +20,7 @@ MEGATRON_FLAGS = """
 --kv-channels --seq-length --max-position-embeddings --position-embedding-type --rotary-base --rotary-percent
 --normalization --norm-epsilon --swiglu --untie-embeddings-and-output-weights --disable-bias-linear --add-qkv-bias
 --hidden-dropout --attention-dropout --init-method-std --make-vocab-size-divisible-by --transformer-impl --attention-backend
---recompute-granularity --recompute-method --recompute-num-layers --no-layout-invariant-init
+--recompute-activations --recompute-granularity --recompute-method --recompute-num-layers --recompute-modules --no-layout-invariant-init
 --apply-layernorm-1p --qk-layernorm --use-cpu-initialization
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
 --context-parallel-size --pipeline-schedule --sequence-parallel --use-distributed-optimizer --use-torch-fsdp2 --overlap-grad-reduce

@@ -107,9 +107,9 @@ class Ledger:
         if entry is not None:
             self.by_role[entry[0]] -= entry[1]
 
-    def resize(self, t, nbytes: int) -> None:
+    def resize(self, storage, nbytes: int) -> None:
         """A storage resized in place (FSDP frees and re-allocates gathered weights so)."""
-        entry = self.live.get(id(t.untyped_storage()))
+        entry = self.live.get(id(storage))
         if entry is not None:
             self.by_role[entry[0]] += nbytes - entry[1]
             entry[1] = nbytes
@@ -174,6 +174,8 @@ def _tracking_mode(ledger: Ledger):
 
 def _patch_scopes(ledger: Ledger):
     """Roles the program's own structure gives: WeiPipe ring buffers, FPDT chunk state."""
+    import torch
+
     from megatron_weipipe.fpdt import offload
     from megatron_weipipe.schedules.runtime import ring
 
@@ -215,22 +217,20 @@ def _patch_scopes(ledger: Ledger):
         self.sends = []
 
     ring._IterationState._reap_sends = reap
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     for name in ("unshard", "wait_for_unshard"):  # FSDP's all-gathered weights (in the compute dtype)
         scoped(_fsdp_param_group.FSDPParamGroup, name, "parameters")
-    free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
+    resize = torch.UntypedStorage.resize_
 
-    def freed(t):
-        ledger.resize(t, 0)
-        free(t)
+    def resized(storage, nbytes):  # storages freed and refilled in place: FSDP's gathered weights,
+        out = resize(storage, nbytes)  # megatron-core's (selective) layernorm recompute
+        ledger.resize(storage, int(nbytes))
+        return out
 
-    def allocated(t):
-        alloc(t)
-        ledger.resize(t, t.numel() * t.itemsize)
-
-    _fsdp_param.free_storage = freed
-    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = allocated
+    torch.UntypedStorage.resize_ = resized
+    # no values to copy; a fake storage's copy_ would keep both storages alive (torch 2.13)
+    torch.UntypedStorage.copy_ = lambda storage, src, non_blocking=False: storage
     init = ring._IterationState.__init__
 
     def state_init(self, rt, master, microbatches, pre_fn, post_fn, main_grad, *rest):

@@ -409,11 +409,15 @@ def ulysses_attention(
     counter: CommCounter | None = None,
     documents: Documents | torch.Tensor | None = None,
     doc_tile: int = DEFAULT_TILE,
+    recompute=None,
 ) -> torch.Tensor:
     """Plain Ulysses self-attention (contiguous sharding, whole sequence per head),
     built from autograd pieces: the baseline FPDT is measured against. With
     ``documents`` attention stays inside each document, computed in tiles of ``doc_tile``
-    tokens that skip what no document spans (``fpdt.packed.DocumentAttention``)."""
+    tokens that skip what no document spans (``fpdt.packed.DocumentAttention``).
+    ``recompute`` (megatron-core's ``tensor_parallel.checkpoint`` or one of its signature)
+    runs the core attention under it: q, k, v kept, its output and log-sum-exp rebuilt in
+    backward (--recompute-modules core_attn)."""
     P = group_size(cp_group)
     spec.validate(P)
     _check_shapes(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, spec)
@@ -429,10 +433,13 @@ def ulysses_attention(
     if table is not None:
         q, k = rotary(q, table), rotary(k, table)
     _check_documents(docs, S, b)
-    if docs is None:
-        o = _BlockAttention.apply(q, k, v, kern, spec.scale)
-    else:
-        o = DocumentAttention.apply(q, k, v, kern, spec.scale, docs, doc_tile)
+
+    def core(q, k, v):
+        if docs is None:
+            return _BlockAttention.apply(q, k, v, kern, spec.scale)
+        return DocumentAttention.apply(q, k, v, kern, spec.scale, docs, doc_tile)
+
+    o = core(q, k, v) if recompute is None else recompute(core, False, q, k, v)
     o = all_to_all_heads_to_seq(o.permute(2, 0, 1, 3), cp_group, counter).reshape(s_l, b, -1)
     out = reduce_from_tp(F.linear(o, proj_weight), tp_group)
     return out + proj_bias if proj_bias is not None else out

@@ -83,6 +83,7 @@ def build_transformer_config(cfg: PretrainConfig, num_layers: Optional[int] = No
         recompute_granularity=m.recompute_granularity,
         recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers,
+        recompute_modules=_recompute_modules(cfg),
         apply_rope_fusion=False,
         bias_activation_fusion=on_gpu and not m.swiglu and m.add_bias_linear,
         masked_softmax_fusion=platform.masked_softmax_fusion_available() and not cfg.megatron.no_masked_softmax_fusion,
@@ -113,6 +114,16 @@ def _megatron_cp_kwargs(p) -> dict:
     if not p.megatron_context_parallel:
         return {}
     return dict(cp_comm_type=p.cp_comm_type[0] if len(p.cp_comm_type) == 1 else list(p.cp_comm_type))
+
+
+def _recompute_modules(cfg: PretrainConfig) -> Optional[list[str]]:
+    """megatron-core's recompute_modules: --recompute-modules (default core_attn) under selective
+    recomputation, less ``mlp`` with FPDT, whose chunked MLP keeps only its input and recomputes
+    its intermediate in backward already (a checkpoint around it would run it a third time)."""
+    m = cfg.model
+    if m.recompute_granularity != "selective":
+        return None
+    return [name for name in m.selective_modules if not (name == "mlp" and cfg.fpdt.enabled)]
 
 
 def with_final_norm(spec, tconf: TransformerConfig, vp_stage: Optional[int]):
@@ -214,6 +225,11 @@ def build_gpt_model(
     if m.layout_invariant_init:
         reinitialize_layout_invariant(model, cfg.training.seed, m.init_method_std, m.num_layers,
                                       zero_centered_norms=m.apply_layernorm_1p)
+    if m.selective_modules:
+        from megatron_weipipe.model import selective_recompute
+
+        selective_recompute.install_norm_fix()
+        selective_recompute.install_mlp_bias_fix(model)
     if m.offload_layer_inputs:
         from megatron_weipipe.model.layer_offload import LayerInputStore, install_on_block
 

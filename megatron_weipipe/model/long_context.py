@@ -154,6 +154,7 @@ def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfi
                 out = ulysses_attention(
                     hidden_states, self.linear_qkv.weight, qkv_bias, self.linear_proj.weight, None,
                     self.spec, settings.cp_group, settings.tp_group, documents=attention_mask,
+                    recompute=self._core_recompute(),
                 )
             else:
                 pool = settings.shared_pool(hidden_states.is_cuda) if settings.fpdt.offload else None
@@ -164,6 +165,15 @@ def _attention_class(settings: LongContextSettings, rotary: Optional[RotaryConfi
                     documents=attention_mask,
                 )
             return out, self.linear_proj.bias
+
+        def _core_recompute(self):
+            """--recompute-modules core_attn (megatron-core's flag on this module): its
+            checkpoint, looked up per call (WeiPipe's chunk forwards replace it)."""
+            if not (self.checkpoint_core_attention and self.training and torch.is_grad_enabled()):
+                return None
+            from megatron.core import tensor_parallel
+
+            return tensor_parallel.checkpoint
 
         @property
         def pool(self) -> Optional[HostBufferPool]:

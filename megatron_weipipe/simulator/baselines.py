@@ -132,7 +132,7 @@ def _unit_seconds(spec: RunSpec, costs: CostModel) -> tuple[list[float], list[fl
     L, eff = spec.shape.num_layers, spec.kernel_efficiency
     t = costs.for_layers(1).module
     forward = [costs.embed_forward / eff, *[t.forward / eff] * L, costs.head_forward / eff]
-    backward = [costs.embed_backward / eff, *[(t.backward + (t.forward if spec.recompute else 0.0)) / eff] * L,
+    backward = [costs.embed_backward / eff, *[(t.backward + t.forward * spec.recompute_share) / eff] * L,
                 costs.head_backward / eff]
     return ([c + costs.fsdp_unit_forward for c in forward], [c + costs.fsdp_unit_backward for c in backward])
 

@@ -213,12 +213,12 @@ def costs_for(a: SimulatorArgs, spec, cluster, calibrator=None):
     from .costs import FlopOptions, from_calibration, from_flops
 
     if a.calibrated:
-        return from_calibration(calibration_for(a.cal, spec, calibrator), spec.layers_per_chunk, recompute=spec.recompute,
+        return from_calibration(calibration_for(a.cal, spec, calibrator), spec.layers_per_chunk, recompute=spec.recompute_share,
                                 weight_pass=spec.weight_pass)
     lay = spec.layout
     o = FlopOptions(tp=lay.tp, cp=lay.cp, tp_link=cluster.link(0, 0),
                     cp_link=cluster.slowest_link(lay.context_ranks()), dtype_bytes=spec.compute_bytes,
-                    weight_pass=spec.weight_pass, recompute=spec.recompute)
+                    weight_pass=spec.weight_pass, recompute=spec.recompute_share)
     if spec.fpdt is not None:
         from .fpdt import analyse
 

@@ -59,7 +59,7 @@ class CostModel:
     head_forward: float  # final norm + output layer + loss
     head_backward: float
     optimizer_per_param: float
-    recompute: bool = False
+    recompute: float = 0.0  # share of a forward run again in each backward: 1 full, less selective (RunSpec)
     weight_pass: str = WeightPass.STORED  # how WeiPipe's runtime splits a backward (see the module doc)
     grad_add: float = 0.0  # adding a chunk's weight gradient into the gradient token
     # FSDP2's fixed CPU seconds per unit and pass (hooks, DTensor bookkeeping, each collective's
@@ -77,7 +77,7 @@ class CostModel:
         weipipe = schedule.family == "weipipe"
         t = self.flat if weipipe else self.module
         last = schedule.num_chunks - 1
-        re = t.forward if self.recompute else 0.0
+        re = t.forward * self.recompute
 
         def weipipe_cost(a: Action) -> float:
             first = a.chunk == 0
@@ -110,7 +110,7 @@ class CostModel:
         return weipipe_cost if weipipe else megatron_cost
 
 
-def from_calibration(cal: HostCalibration, layers: int, recompute: bool = False,
+def from_calibration(cal: HostCalibration, layers: int, recompute: float = 0.0,
                      weight_pass: str = WeightPass.STORED) -> CostModel:
     if weight_pass == WeightPass.IDEAL:
         raise SimulatorError("--weipipe-weight-pass ideal needs FLOP-based costs (a GPU preset), not --calibrate")
@@ -127,7 +127,7 @@ class FlopOptions:
     cp_link: LinkSpec = LinkSpec("none", 1e9, 0.0)
     dtype_bytes: int = 2
     weight_pass: str = WeightPass.STORED  # one of weight_pass.SIMULATED_WEIGHT_PASSES, see the module doc
-    recompute: bool = False
+    recompute: float = 0.0  # CostModel.recompute
     extra_forward: float = 0.0  # seconds added to every layer forward (e.g. FPDT chunking)
     extra_backward: float = 0.0
 

@@ -11,7 +11,7 @@ schedule's own action lists, walked with the runtime's rules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
 from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule
@@ -30,10 +30,21 @@ class ActivationOptions:
     cp: int = 1
     sequence_parallel: bool = False
     flash_attention: Optional[bool] = None  # None: with impl "flash"; True with "unfused": local layers, fused SDPA core
+    # selective recomputation (--recompute-modules): what every layer rebuilds in backward
+    # instead of keeping: "core_attn", "mlp", "layernorm"
+    recompute: tuple[str, ...] = ()
 
 
 def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
-    """Bytes one layer saves for its backward, one microbatch, one rank."""
+    """Bytes one layer saves for its backward, one microbatch, one rank. Under selective
+    recomputation (megatron-core's, measured tensor by tensor on local layers): core_attn
+    keeps only the core attention's inputs (q and k as rotated, the QKV projection's output
+    that v views) and none of its scores, probabilities, masks or log-sum-exp (a fused
+    kernel keeps about its inputs anyway: only the log-sum-exp goes); mlp keeps
+    only the MLP's input (on Transformer Engine layers, whose fc1 holds the pre-MLP norm,
+    also none of that norm's output and statistics); layernorm keeps each norm's input,
+    not its output, statistics or normalised copy (TE layers' norms are inside their
+    linears: nothing there)."""
     b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
     a, g, d = shape.num_attention_heads, shape.groups, shape.head_dim
     e, tp = o.dtype_bytes, o.tp
@@ -42,17 +53,25 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     flash = not unfused if o.flash_attention is None else o.flash_attention
     rope = shape.position_embedding_type == "rope"
     mask = e if unfused else 1  # dropout masks: float on the CPU path, bool on GPUs
+    core_attn, mlp = "core_attn" in o.recompute, "mlp" in o.recompute
+    norms = "layernorm" in o.recompute and unfused
+    stats = (2 if shape.normalization == "LayerNorm" else 1) * 4  # one norm's fp32 statistics
     # replicated over TP unless sequence parallel: layer input, norm outputs, residual
-    per_token = 4 * h * e
-    per_token += (2 if shape.normalization == "LayerNorm" else 1) * 2 * 4  # norm statistics, fp32
-    if unfused and shape.normalization == "RMSNorm":
-        per_token += 2 * h * e  # the unfused RMSNorm keeps its normalised input too
+    per_token = (2 if norms else 4) * h * e
+    if not norms:
+        per_token += 2 * stats
+        if unfused and shape.normalization == "RMSNorm":
+            per_token += 2 * h * e  # the unfused RMSNorm keeps its normalised input too
+    if mlp and not unfused:
+        per_token -= h * e + stats  # TE's fc1 holds the pre-MLP norm: its output recomputed with it
     if o.dropout:
         per_token += 2 * h * mask
     replicated = sb * per_token / (tp if o.sequence_parallel else 1)
     # split over TP: attention inputs/outputs, MLP intermediates
     split_tok = a * d * e  # attention output (projection input)
-    if unfused:
+    if unfused and core_attn and not flash:
+        split_tok += (shape.qkv_width + ((a + g) * d if rope else 0)) * e  # the checkpoint's q, k, v
+    elif unfused:
         qkv = 0.0 if (rope and g < a) else shape.qkv_width
         if rope:
             qkv += a * d + (g * d if g == a else 0)  # rotated q (and k)
@@ -62,14 +81,18 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
     else:
         split_tok += shape.qkv_width * e
     f = shape.ffn
-    if shape.swiglu:
+    if mlp:
+        pass  # the MLP's input is the pre-MLP norm's output, counted above
+    elif shape.swiglu:
         split_tok += (5 if unfused else 3) * f * e
     else:
         split_tok += 2 * f * e
     split = sb * split_tok / tp
     heads = a / tp  # with Ulysses each rank holds a/cp heads over the whole sequence
     full_s = shape.seq_length
-    if not flash:
+    if core_attn:
+        attn = 0.0
+    elif not flash:
         # the probabilities for the matmul; below fp32 also megatron-core's fp32 softmax
         # output (attention_softmax_in_fp32) that the softmax saves for its backward
         fp32_softmax = 4 if e < 4 else 0
@@ -78,6 +101,15 @@ def layer_activation_bytes(shape: ModelShape, o: ActivationOptions) -> float:
         attn = b * heads / o.cp * full_s * 4  # log-sum-exp
     rope_tables = 4 * s * d * e if (rope and unfused) else 0.0
     return replicated + split + attn + rope_tables
+
+
+def recomputed_bytes(shape: ModelShape, o: ActivationOptions, per_layer=None) -> float:
+    """Selective recomputation: the most one recomputed module of one layer holds again
+    during its backward (the saved tensors it did not keep), transient. ``per_layer``: the
+    function giving a layer's bytes for options (``layer_activation_bytes`` by default)."""
+    per_layer = per_layer or layer_activation_bytes
+    kept = per_layer(shape, replace(o, recompute=()))
+    return max((kept - per_layer(shape, replace(o, recompute=(m,))) for m in o.recompute), default=0.0)
 
 
 def attention_scratch_bytes(shape: ModelShape, o: ActivationOptions) -> float:
@@ -123,15 +155,24 @@ def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str,
       sequence layout (the projection's input), the fp32 log-sum-exp; megatron-core's MLP:
       fc1 output (2f), the sigmoid and silu of its first half and their product (3f);
     - FPDT without offload: its ChunkStore keeps q, o, k, v, the fp32 log-sum-exp and the
-      output chunks in sequence layout on the device; the chunked MLP keeps only its input."""
+      output chunks in sequence layout on the device; the chunked MLP keeps only its input.
+    Selective recomputation: layernorm keeps each norm's input only (outputs freed);
+    core_attn (Ulysses) keeps the kernel's q, k, v, not its output in head layout nor the
+    log-sum-exp; mlp (Ulysses) keeps only the MLP's input (FPDT's chunked MLP does already)."""
     b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
     a, g, d, f = shape.num_attention_heads / o.tp, shape.groups / o.tp, shape.head_dim, shape.ffn / o.tp
     e = o.dtype_bytes
     norm = _norm_saved_per_token(shape, o, norm_chunks > 1)
-    per_token = 2 * norm + (1 if mode == "offload" else 2) * h * e
+    outputs = (1 if mode == "offload" else 2) * h * e
+    if "layernorm" in o.recompute:
+        norm, outputs = h * e, 0.0
+    per_token = 2 * norm + outputs
     if mode == "ulysses":
-        per_token += (2 * a + 2 * g) * d * e + a * d * e + 4 * a
-        per_token += (5 * f if shape.swiglu else 2 * f) * e
+        per_token += (a + 2 * g) * d * e + a * d * e  # q, k, v in head layout; o in sequence layout
+        if "core_attn" not in o.recompute:
+            per_token += a * d * e + 4 * a  # o in head layout and the log-sum-exp
+        if "mlp" not in o.recompute:
+            per_token += (5 * f if shape.swiglu else 2 * f) * e
     elif mode == "fpdt":
         per_token += (3 * a + 2 * g) * d * e + 4 * a
     return s * b * per_token

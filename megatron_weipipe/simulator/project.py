@@ -101,7 +101,7 @@ def simulate_run(spec: RunSpec, cluster: Cluster, costs: CostModel) -> ScheduleR
 def _stage_costs(spec: RunSpec, costs: CostModel) -> tuple[float, float, float]:
     """(F, I, W) seconds of one stage, which a costed timeline's order is built for."""
     t = costs.for_layers(spec.layers_per_chunk).module
-    return t.forward, t.backward_input + (t.forward if costs.recompute else 0.0), t.backward_weight
+    return t.forward, t.backward_input + t.forward * costs.recompute, t.backward_weight
 
 
 @dataclass
@@ -242,36 +242,51 @@ def state_bytes(spec: RunSpec) -> memory.StateBytes:
     return state
 
 
-def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> tuple[memory.RankMemory, ...]:
-    s, lay = spec.shape, spec.layout
-    state = state_bytes(spec)
-    gathered = memory.fsdp2_gathered_bytes(s, lay.tp, spec.compute_bytes) if spec.torch_fsdp2 else 0.0
+def _activation_options(spec: RunSpec) -> memory.ActivationOptions:
     impl, _, core = spec.attention_impl.partition("+")  # "unfused+flash": local layers, fused attention core
-    act_opts = memory.ActivationOptions(impl=impl, flash_attention=(core == "flash") or None,
-                                        dtype_bytes=spec.compute_bytes,
-                                        dropout=spec.dropout, tp=lay.tp, cp=lay.cp,
-                                        sequence_parallel=spec.sequence_parallel)
-    k = spec.layers_per_chunk
-    per_layer = memory.layer_activation_bytes(s, act_opts)
-    per_input = memory.layer_input_bytes(s, act_opts)
-    in_flight = memory.peak_in_flight(schedule, freed_at_input=spec.weight_pass == WeightPass.STORED)
-    pools = memory.pool_sets(schedule, freed_at_input=spec.weight_pass == WeightPass.STORED)
-    buffers = memory.peak_buffers(schedule, spec.lookahead) if spec.is_weipipe else None
-    chunk = spec.chunk_params()
-    logits = memory.logits_bytes(s, lay.tp, lay.cp)
+    return memory.ActivationOptions(impl=impl, flash_attention=(core == "flash") or None,
+                                    dtype_bytes=spec.compute_bytes, dropout=spec.dropout, tp=spec.layout.tp,
+                                    cp=spec.layout.cp, sequence_parallel=spec.sequence_parallel,
+                                    recompute=spec.recompute_modules)
+
+
+def _layer_terms(spec: RunSpec, o: memory.ActivationOptions, fp: Optional[FPDTReport]):
+    """(long-context mode or None, FPDT's norm chunks, what one layer saves, what one recomputed
+    module of it holds again in its backward (selective recomputation), the loss's transient)."""
+    s, lay = spec.shape, spec.layout
     long_mode = None  # model/long_context.py's layers: Ulysses (CP > 1) or FPDT
     if fp is not None:
         long_mode = "offload" if spec.fpdt.offload else "fpdt"
     elif lay.cp > 1:
         long_mode = "ulysses"
+    if long_mode is None:
+        return None, 1, memory.layer_activation_bytes(s, o), memory.recomputed_bytes(s, o), \
+            memory.logits_bytes(s, lay.tp, lay.cp)
     # FPDT runs the norms in chunks (model/long_context.py chunk_norms), WeiPipe's rings aside
     norm_chunks = spec.fpdt.num_chunks(s.seq_length) if fp is not None and not spec.is_weipipe else 1
-    if long_mode is not None:
-        per_layer = memory.long_context_layer_bytes(s, act_opts, long_mode, norm_chunks)
-        if fp is not None and not spec.is_weipipe:
-            logits = memory.chunked_loss_bytes(s, act_opts, spec.fpdt.loss_num_chunks(s.seq_length), norm_chunks)
-        else:  # Ulysses; and WeiPipe's ring model computes megatron-core's loss, unchunked, under FPDT too
-            logits = memory.unchunked_loss_bytes(s, act_opts)
+
+    def per_layer(shape, opts):
+        return memory.long_context_layer_bytes(shape, opts, long_mode, norm_chunks)
+
+    if fp is not None and not spec.is_weipipe:
+        logits = memory.chunked_loss_bytes(s, o, spec.fpdt.loss_num_chunks(s.seq_length), norm_chunks)
+    else:  # Ulysses; and WeiPipe's ring model computes megatron-core's loss, unchunked, under FPDT too
+        logits = memory.unchunked_loss_bytes(s, o)
+    return long_mode, norm_chunks, per_layer(s, o), memory.recomputed_bytes(s, o, per_layer), logits
+
+
+def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> tuple[memory.RankMemory, ...]:
+    s, lay = spec.shape, spec.layout
+    state = state_bytes(spec)
+    gathered = memory.fsdp2_gathered_bytes(s, lay.tp, spec.compute_bytes) if spec.torch_fsdp2 else 0.0
+    act_opts = _activation_options(spec)
+    k = spec.layers_per_chunk
+    per_input = memory.layer_input_bytes(s, act_opts)
+    in_flight = memory.peak_in_flight(schedule, freed_at_input=spec.weight_pass == WeightPass.STORED)
+    pools = memory.pool_sets(schedule, freed_at_input=spec.weight_pass == WeightPass.STORED)
+    buffers = memory.peak_buffers(schedule, spec.lookahead) if spec.is_weipipe else None
+    chunk = spec.chunk_params()
+    long_mode, norm_chunks, per_layer, redone, logits = _layer_terms(spec, act_opts, fp)
     out = []
     for r in range(lay.pp):
         params = spec.rank_params(r)
@@ -283,7 +298,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
                 acts, transient = in_flight[r] * units * per_input, redo * per_layer
                 acts, offloaded = _offloaded_inputs(spec, acts, per_input)
             else:
-                acts, transient = in_flight[r] * k * per_layer, 0.0
+                acts, transient = in_flight[r] * k * per_layer, redone
                 if r > 0 and not spec.is_weipipe:
                     acts += in_flight[r] * per_input  # megatron-core keeps each received input tensor
             scratch = memory.long_context_norm_scratch_bytes(s, act_opts, norm_chunks)
@@ -308,7 +323,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
             transient = redo * per_layer
         else:
             acts = in_flight[r] * k * per_layer
-            transient = 0.0
+            transient = redone
         if long_mode is None:
             transient += memory.attention_scratch_bytes(s, act_opts)
             if spec.is_weipipe or r == lay.pp - 1:

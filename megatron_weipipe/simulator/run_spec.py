@@ -39,6 +39,7 @@ class RunSpec:
     schedule: str
     virtual_stages: int = 2  # interleaved: model chunks per rank
     recompute: bool = False  # full activation recomputation
+    recompute_modules: tuple[str, ...] = ()  # selective recomputation: --recompute-modules (core_attn, mlp, layernorm)
     compute_bytes: int = 2  # bf16 weights and activations (4 for the fp32 CPU runs)
     weipipe_grad_bytes: int = 4  # the gradient flow (--weipipe-grad-dtype)
     sequence_parallel: bool = False
@@ -86,6 +87,18 @@ class RunSpec:
     @property
     def is_weipipe(self) -> bool:
         return registry.training_entry(self.schedule).is_weipipe
+
+    @property
+    def recompute_share(self) -> float:
+        """Of a layer's forward, what its backward runs again: all of it under full
+        recomputation; under selective, by FLOPs, the core attention's share (core_attn) and
+        the MLP GEMMs' (mlp); the norms' elementwise work counts as nothing (layernorm)."""
+        if self.recompute:
+            return 1.0
+        s = self.shape
+        mlp = 2.0 * s.tokens * s.hidden_size * s.ffn * (3 if s.swiglu else 2)
+        parts = {"core_attn": s.attention_flops(), "mlp": mlp}
+        return sum(parts.get(m, 0.0) for m in self.recompute_modules) / (s.layer_gemm_flops() + s.attention_flops())
 
     @property
     def has_virtual_stages(self) -> bool:
@@ -191,9 +204,12 @@ def _model_config(spec: RunSpec, base: PretrainConfig, kept: bool):
         long_context = spec.layout.cp > 1 or spec.fpdt is not None
         p = DEFAULT_DROPOUT if spec.dropout else 0.0
         own.update(hidden_dropout=p, attention_dropout=0.0 if long_context else p)
-    if not (kept and spec.recompute == (m.recompute_granularity == "full")):
-        own.update(recompute_granularity="full" if spec.recompute else None,
-                   recompute_method="uniform" if spec.recompute else None, recompute_num_layers=None)
+    if not (kept and spec.recompute == (m.recompute_granularity == "full")
+            and spec.recompute_modules == m.selective_modules):
+        granularity = "full" if spec.recompute else ("selective" if spec.recompute_modules else None)
+        own.update(recompute_granularity=granularity, recompute_method="uniform" if spec.recompute else None,
+                   recompute_num_layers=None, recompute_activations=False,
+                   recompute_modules=list(spec.recompute_modules) if granularity == "selective" else None)
     gqa = m.group_query_attention if kept else s.num_query_groups is not None
     return replace(m, **own, group_query_attention=gqa, offload_layer_inputs=spec.offload_layer_inputs)
 
@@ -261,6 +277,7 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
     return RunSpec(
         shape=shape, layout=layout, global_batch_size=t.global_batch_size, schedule=cfg.schedule_name,
         virtual_stages=virtual_stages, recompute=m.recompute_granularity == "full" or offload_checkpoints,
+        recompute_modules=() if offload_checkpoints else m.selective_modules,
         compute_bytes=t.compute_bytes, weipipe_grad_bytes=2 if p.weipipe_grad_dtype == "bf16" else 4,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer, zero3=zero3,
         torch_fsdp2=p.use_torch_fsdp2, offload_layer_inputs=offload_checkpoints, attention_impl=attention_impl,

@@ -8,13 +8,14 @@ from megatron_weipipe.config import PretrainConfig
 
 
 def model_flops_per_iteration(cfg: PretrainConfig, vocab_size: int) -> float:
-    """Training FLOPs of one iteration (the whole model, every microbatch), Megatron's convention:
-    3 x forward matmul FLOPs, 4 x with full recomputation, attention counted as the full square."""
+    """Training FLOPs of one iteration (the whole model, every microbatch), Megatron-LM's
+    convention (its num_floating_point_operations): 3 x forward matmul FLOPs, attention counted
+    as the full square. Model FLOPs: recomputation, full or selective, adds none (Megatron-LM's
+    expansion factor is 3 whatever --recompute-* say)."""
     t = cfg.training
     shape = cfg.model.shape(micro_batch_size=t.micro_batch_size, vocab_size=vocab_size)
     microbatches = t.global_batch_size // t.micro_batch_size
-    recompute = cfg.model.recompute_granularity == "full"
-    return microbatches * shape.model_flops_per_microbatch(causal_fraction=1.0, recompute=recompute)
+    return microbatches * shape.model_flops_per_microbatch(causal_fraction=1.0)
 
 
 def format_bytes(n: float) -> str:

@@ -49,6 +49,15 @@ class FlatViews:
         parts = flat.split([s.numel for s in self.params])
         return {s.name: part.view(s.shape) for s, part in zip(self.params, parts)}
 
+    def bound(self, module: nn.Module, flat: torch.Tensor):
+        """Context: ``module``'s parameters are views of ``flat`` (a template whose modules run
+        again inside a backward read the weights that backward uses; the gradient flows through
+        the forward's graph). The views require gradients as the forward's did, so a recompute
+        takes the forward's code paths; nothing backpropagates into them."""
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        return _reparametrize_module(module, self.views(flat.detach().requires_grad_(True)))
+
     def flatten(self, params: Union[nn.Module, Mapping[str, torch.Tensor]],
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A new contiguous vector holding `params` (a module of the template's

@@ -138,6 +138,7 @@ class WeiPipeRuntime:
         tracer: Optional[ActionTracer] = None,
         order: str = DEFAULT_ORDER,
         offload: Any = None,
+        rebind: bool = False,
     ):
         """`comm_scope(flow)`, if given, is entered around every isend/irecv of that flow
         (e.g. to attribute bytes in a process-wide counter). `rng` (get_state/set_state)
@@ -156,7 +157,8 @@ class WeiPipeRuntime:
         `tracer` (an ActionTracer) times every action of every iteration.
         `offload` (model/layer_offload.LayerInputStore), with `recompute`: each chunk's
         input waits on the host between its forward and its backward, the input of the
-        next backward on this rank's list prefetched while the current one runs."""
+        next backward on this rank's list prefetched while the current one runs.
+        `rebind`: a backward binds the template to the backward-weight buffer (selective recompute)."""
         if weight_pass not in RUNTIME_WEIGHT_PASSES:
             raise ValueError(f"weight_pass must be {one_of(RUNTIME_WEIGHT_PASSES)}, not {weight_pass!r}")
         self.tracer = tracer
@@ -187,7 +189,7 @@ class WeiPipeRuntime:
         self.actions = schedule.actions(self.ring_rank)
         self.steps = rank_posts(schedule, self.ring_rank, order=order, lookahead=lookahead)
         self.batch_p2p = dist.get_backend(ring_group) == "nccl"
-        self.offload = offload if recompute else None
+        self.offload, self.rebind = (offload if recompute else None), rebind
         backwards = [(a.mb, a.chunk) for a in self.actions if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT)]
         self.next_backward = dict(zip(backwards, backwards[1:]))
 
@@ -385,6 +387,10 @@ class _IterationState:
             return functional_call(self.rt.template, self.rt.layout.views(flat), (x,),
                                    self.chunk_kwargs(self.mbs[mb]))
 
+    def _bound(self, flat: torch.Tensor) -> ContextManager:
+        """With `rebind`, the template's parameters as views of `flat` (FlatViews.bound)."""
+        return self.rt.layout.bound(self.rt.template, flat) if self.rt.rebind else contextlib.nullcontext()
+
     def _forward(self, i: int, a: Action) -> None:
         flat = self._get(a, a.buffer)
         pre_out = None
@@ -449,10 +455,8 @@ class _IterationState:
         split_now = not weight_too and self.rt.weight_pass in (WeightPass.STORED, WeightPass.DEFERRED)
         both = weight_too or split_now
         inputs = ([s.x] if want_x else []) + ([s.anchor] if both else [])
-        if inputs:
-            grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not both, allow_unused=True)
-        else:
-            grads = ()
+        with self._bound(bwd):
+            grads = torch.autograd.grad(s.y, inputs, s.dy, retain_graph=not both, allow_unused=True) if inputs else ()
         if want_x:
             self._pass_down(a, s, grads[0])
         if weight_too:
@@ -482,7 +486,8 @@ class _IterationState:
                 add(name, g)
             self.wgrad.flush((a.mb, a.chunk), add)
             return
-        dw = s.dw if s.dw is not None else torch.autograd.grad(s.y, [s.anchor], s.dy)[0]
+        with self._bound(s.bwd_flat):
+            dw = s.dw if s.dw is not None else torch.autograd.grad(s.y, [s.anchor], s.dy)[0]
         self._add_weight_grad(a, dw)
 
     def _pass_down(self, a: Action, s: _Saved, dx: torch.Tensor) -> None:

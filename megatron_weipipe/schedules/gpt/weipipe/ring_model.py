@@ -28,10 +28,13 @@ class DecoderChunk(nn.Module):
     embedding come in per call.
     """
 
-    def __init__(self, layers: nn.ModuleList, sequence_parallel: bool):
+    def __init__(self, layers: nn.ModuleList, sequence_parallel: bool, selective_recompute: bool = False):
         super().__init__()
         self.layers = layers
         self.sequence_parallel = sequence_parallel
+        # megatron-core's selective-recompute checkpoints in forms the runtime's
+        # torch.autograd.grad backward runs (model/selective_recompute.py)
+        self.selective_recompute = selective_recompute
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -39,9 +42,11 @@ class DecoderChunk(nn.Module):
 
         from megatron.core import tensor_parallel
 
+        from megatron_weipipe.model.selective_recompute import for_autograd_grad
+
         # As TransformerBlock: dropout in sequence-parallel regions draws from the TP tracker.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.sequence_parallel else nullcontext()
-        with rng:
+        with rng, for_autograd_grad(self.selective_recompute):
             for layer in self.layers:
                 hidden, _ = layer(hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         return hidden

@@ -63,7 +63,8 @@ class WeiPipeSchedule(TrainSchedule):
                            embedding_summed=model.share_embeddings_and_output_weights
                            and not self.cfg.model.layout_invariant_init)
         self.model = model
-        self.template = DecoderChunk(model.decoder.layers, model.config.sequence_parallel)
+        selective = self.cfg.model.recompute_granularity == "selective"
+        self.template = DecoderChunk(model.decoder.layers, model.config.sequence_parallel, selective)
         self.layout = FlatViews.from_module(self.template)
         self.deferrable = deferred.install(self.template)  # QKV, projection, FC1, FC2 of every layer
         self.owned = dict(self.template.named_parameters())
@@ -90,6 +91,8 @@ class WeiPipeSchedule(TrainSchedule):
             tracer=self.tracer,
             # --offload-layer-inputs: the chunk inputs kept for recomputation wait on the host
             offload=getattr(model.decoder, "layer_input_store", None),
+            # selective recomputation runs the template's modules again inside a backward
+            rebind=selective,
         )
         return self.model_chunks
 
