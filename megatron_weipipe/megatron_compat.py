@@ -72,8 +72,6 @@ class MegatronCompatConfig:
                                     "parallelism; use --offload-layer-inputs (with --recompute-granularity full) "
                                     "to keep each layer's saved input in host memory", default=False)
     use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
-    rampup_batch_size: Optional[list[int]] = _refused("batch-size ramp-up changes the math; use a fixed "
-                                                      "--global-batch-size")
     calculate_per_token_loss: bool = _refused("normalising the loss by the tokens of the whole batch changes "
                                               "the loss and gradients", default=False)
     grad_reduce_in_bf16: bool = _refused("gradients are reduced in fp32 here", default=False)

@@ -37,6 +37,7 @@ MEGATRON_FLAGS = """
 --log-memory-to-tensorboard --log-timers-to-tensorboard --profile --use-pytorch-profiler
 --profile-step-start --profile-step-end --profile-ranks --dist-ckpt-optim-fully-reshardable --use-rope-scaling
  --rope-scaling-factor --allow-unverified-gpu-paths --offload-layer-inputs
+--rampup-batch-size --step-batch-size-schedule --decrease-batch-size-if-needed
 """.split()
 
 

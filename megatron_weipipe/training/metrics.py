@@ -7,14 +7,14 @@ import datetime
 from megatron_weipipe.config import PretrainConfig
 
 
-def model_flops_per_iteration(cfg: PretrainConfig, vocab_size: int) -> float:
-    """Training FLOPs of one iteration (the whole model, every microbatch), Megatron's convention:
-    3 x forward matmul FLOPs, 4 x with full recomputation, attention counted as the full square."""
+def model_flops_per_sample(cfg: PretrainConfig, vocab_size: int) -> float:
+    """Training FLOPs of one sample (the whole model), Megatron's convention: 3 x forward matmul
+    FLOPs, 4 x with full recomputation, attention counted as the full square. An iteration's are
+    this times its global batch size (a ramp's current one)."""
     t = cfg.training
     shape = cfg.model.shape(micro_batch_size=t.micro_batch_size, vocab_size=vocab_size)
-    microbatches = t.global_batch_size // t.micro_batch_size
     recompute = cfg.model.recompute_granularity == "full"
-    return microbatches * shape.model_flops_per_microbatch(causal_fraction=1.0, recompute=recompute)
+    return shape.model_flops_per_microbatch(causal_fraction=1.0, recompute=recompute) / t.micro_batch_size
 
 
 def format_bytes(n: float) -> str:
