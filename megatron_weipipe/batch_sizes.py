@@ -12,6 +12,7 @@ schedules only (0.18 on) run the ramp that 0.16 and 0.17's ramp calculator runs
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -33,12 +34,7 @@ class Steps:
     ramp_end: Optional[int] = None
 
     def size_at(self, consumed: int) -> int:
-        size = self.sizes[0]
-        for start, s in zip(self.starts, self.sizes):
-            if consumed < start:
-                break
-            size = s
-        return size
+        return self.sizes[max(bisect.bisect_right(self.starts, consumed) - 1, 0)]
 
     @property
     def final(self) -> int:

@@ -246,9 +246,8 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
     if cfg.fpdt.enabled:
         fpdt = FPDTSpec(**{f.name: getattr(cfg.fpdt, f.name) for f in fields(FPDTConfig)},
                         offload_checkpoints=offload_checkpoints)
-    return RunSpec(  # at the final batch size (a ramp's last; rounded down by --decrease-batch-size-if-needed)
-        shape=shape, layout=layout, global_batch_size=cfg.num_microbatches * t.micro_batch_size * layout.dp,
-        schedule=cfg.schedule_name,
+    return RunSpec(  # at the final batch size (a ramp's or step schedule's last)
+        shape=shape, layout=layout, global_batch_size=t.global_batch_size, schedule=cfg.schedule_name,
         virtual_stages=virtual_stages, recompute=m.recompute_granularity == "full" or offload_checkpoints,
         compute_bytes=t.compute_bytes, weipipe_grad_bytes=2 if p.weipipe_grad_dtype == "bf16" else 4,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer, zero3=zero3,
