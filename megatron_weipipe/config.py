@@ -387,7 +387,8 @@ class PretrainConfig:
 
     def with_derived_defaults(self, schedule_name: str) -> "PretrainConfig":
         """A copy with every default that depends on other values filled in: the global
-        batch (a step schedule's last), the schedule, sequence parallelism (off at TP 1), and the data's sequence length and seed."""
+        batch (a step schedule's last), the schedule, sequence parallelism (off at TP 1), and the
+        data's sequence length and seed."""
         t, mp = self.training, self.parallel.model_parallel_size
         gbs = t.global_batch_size
         if gbs is None and t.step_batch_size_schedule is not None:

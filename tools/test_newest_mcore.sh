@@ -43,7 +43,7 @@ MCORE_TESTS=(
   tests/test_long_context_parity.py tests/test_checkpoint_resharding.py tests/test_faults_corrupt.py
   tests/test_data_datasets.py tests/test_data_tokenizers.py tests/test_hf_llama.py tests/test_megatron_flags.py
   tests/test_fsdp.py tests/test_layer_offload.py tests/test_packed_parity.py tests/test_mcore_versions.py
-  tests/test_weipipe_grad_overlap.py tests/test_layout_invariant_init.py
+  tests/test_weipipe_grad_overlap.py tests/test_layout_invariant_init.py tests/test_batch_size_rampup.py
 )
 export MEGATRON_WEIPIPE_OTHER_PYTHON="${MEGATRON_WEIPIPE_OTHER_PYTHON-$(command -v python || true)}"
 if [ "$#" -gt 0 ]; then MCORE_TESTS=("$@"); fi

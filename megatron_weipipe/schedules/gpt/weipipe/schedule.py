@@ -6,9 +6,10 @@ chunks, the chunks' weights and gradients circulating (schedules/runtime/ring.py
 The variant only decides the action lists (its plan, through the registry); this class
 is the same for all of them. A plan is generated and validated for one G: under a
 batch-size ramp each G the run reaches gets its own, built when first reached and kept
-(the start-up rules refuse a ramp whose microbatch counts the ring does not divide). At the rank's OPTIMIZER_STEP the owner's summed chunk
-gradient is copied into megatron-core DDP's main_grad (and, with --overlap-grad-reduce,
-its data-parallel reduction starts); after the schedule the replicated parameters'
+(the start-up rules refuse a ramp whose microbatch counts the ring does not divide).
+At the rank's OPTIMIZER_STEP the owner's summed chunk gradient is copied into
+megatron-core DDP's main_grad (and, with --overlap-grad-reduce, its data-parallel
+reduction starts); after the schedule the replicated parameters'
 gradients are summed over the ring and DDP finishes the data-parallel reduction
 (grad_sync.py), so megatron-core's optimizer (fp32 master, clipping, Adam) and
 checkpointing run unchanged.
