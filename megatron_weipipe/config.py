@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from megatron_weipipe import batch_sizes
 from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.errors import ConfigError, require
 from megatron_weipipe.flags import option
@@ -43,6 +44,16 @@ class TrainingConfig:
     train_samples: Optional[int] = option(
         None, help="samples to train instead of --train-iters: --train-samples // --global-batch-size steps, "
                    "the learning-rate schedule counted in samples (Megatron-LM's sample-based training)")
+    rampup_batch_size: Optional[list[int]] = option(
+        None, help="START INCREMENT RAMPUP_SAMPLES: the global batch size starts at START and grows by INCREMENT "
+                   "to --global-batch-size over RAMPUP_SAMPLES consumed samples (megatron-core's microbatch "
+                   "calculator; with --train-samples, as in Megatron-LM)")
+    step_batch_size_schedule: Optional[str] = option(
+        None, help='"THRESHOLD:BS THRESHOLD:BS ...": global batch size BS from THRESHOLD consumed tokens on '
+                   "(suffixes K, M, B, T; the first threshold 0); --global-batch-size is the last BS")
+    decrease_batch_size_if_needed: bool = option(
+        False, help="round a --global-batch-size that micro batch x data-parallel size does not divide down to a "
+                    "multiple of it (megatron-core's calculator; the rest of each batch is not trained)")
     lr: float = option(1e-4, help="peak learning rate")
     min_lr: float = option(0.0, help="learning rate at the end of the decay")
     decoupled_lr: Optional[float] = option(
@@ -123,6 +134,7 @@ class TrainingConfig:
         self._validate_decoupled_lr()
         require(not (self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler),
                 "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually exclusive")
+        batch_sizes.check_flags(self)
         if self.train_samples is not None:
             self._validate_sample_based()
             return
@@ -171,8 +183,8 @@ class TrainingConfig:
 
     @property
     def iterations(self) -> int:
-        """Optimizer steps of the run: --train-iters, or --train-samples // --global-batch-size
-        (Megatron-LM's update_train_iters at a fixed batch size)."""
+        """Optimizer steps of a run at a fixed batch size: --train-iters, or --train-samples //
+        --global-batch-size (Megatron-LM's update_train_iters; PretrainConfig.train_iters counts a ramp's)."""
         if self.train_samples is not None:
             return self.train_samples // self.global_batch_size
         return self.train_iters
@@ -308,6 +320,9 @@ class PretrainConfig:
     fp8: FP8Config = field(default_factory=FP8Config)
     megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
     world_size: int = 1
+    # (iteration, consumed samples) of the checkpoint loaded, once known (training/run_setup.py):
+    # a batch-size schedule is checked from there on; None: from the start, unless --load may resume
+    resumed_at: Optional[tuple[int, int]] = None
 
     # --- derived -------------------------------------------------------------------
     @property
@@ -316,8 +331,44 @@ class PretrainConfig:
 
     @property
     def num_microbatches(self) -> int:
-        """Microbatches per data-parallel replica per optimizer step."""
+        """Microbatches per data-parallel replica per optimizer step at --global-batch-size (the
+        final one of a batch-size schedule; rounded down under --decrease-batch-size-if-needed)."""
         return self.training.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def batch_size_steps(self) -> Optional[batch_sizes.Steps]:
+        """--rampup-batch-size or --step-batch-size-schedule as steps; None at a fixed batch size."""
+        t = self.training
+        if t.step_batch_size_schedule is not None:
+            return batch_sizes.parse_step_schedule(t.step_batch_size_schedule, self.model.seq_length)
+        return None if t.rampup_batch_size is None else batch_sizes.ramp_steps(t.rampup_batch_size,
+                                                                               t.global_batch_size)
+
+    @property
+    def train_iters(self) -> int:
+        """Optimizer steps of the run (Megatron-LM's update_train_iters, a ramp's included)."""
+        t, steps = self.training, self.batch_size_steps
+        if steps is None or t.train_samples is None:
+            return t.iterations
+        return batch_sizes.iterations_for_samples(steps, t.train_samples)
+
+    @property
+    def train_samples_read(self) -> int:
+        """Training samples the run reads (the training dataset's size)."""
+        t, steps = self.training, self.batch_size_steps
+        if steps is None:
+            return t.iterations * t.global_batch_size if t.train_samples is None else t.train_samples
+        return max(batch_sizes.samples_read(steps, self.train_iters), t.train_samples or 0)
+
+    def batch_size_changes(self) -> list[tuple[int, int, int]]:
+        """(iteration, consumed samples, global batch size) where a batch-size schedule starts or
+        changes, from the start or ``resumed_at`` on; [] at a fixed batch size, and while a
+        --load may resume at a point not known yet."""
+        steps = self.batch_size_steps
+        if steps is None or (self.resumed_at is None and self.checkpoint.load):
+            return []
+        iteration, consumed = self.resumed_at or (0, 0)
+        return batch_sizes.changes(steps, consumed, iteration, self.train_iters)
 
     @property
     def schedule_name(self) -> str:
@@ -329,10 +380,13 @@ class PretrainConfig:
 
     def with_derived_defaults(self, schedule_name: str) -> "PretrainConfig":
         """A copy with every default that depends on other values filled in: the global
-        batch, the schedule, what Megatron-LM turns off (ParallelConfig.resolved), selective
-        recomputation (from --recompute-activations), and the data's sequence length and seed."""
+        batch (a step schedule's last), the schedule, what Megatron-LM turns off
+        (ParallelConfig.resolved), selective recomputation (from --recompute-activations), and the
+        data's sequence length and seed."""
         t, mp = self.training, self.parallel.model_parallel_size
         gbs = t.global_batch_size
+        if gbs is None and t.step_batch_size_schedule is not None:
+            gbs = batch_sizes.parse_step_schedule(t.step_batch_size_schedule, self.model.seq_length).final
         if gbs is None and mp > 0 and self.world_size % mp == 0:
             gbs = t.micro_batch_size * self.data_parallel_size
         m = self.model
@@ -388,10 +442,7 @@ class PretrainConfig:
                 f"--tensor-model-parallel-size ({tp})")
         require(m.query_groups % tp == 0,
                 f"--num-query-groups ({m.query_groups}) must be divisible by --tensor-model-parallel-size ({tp})")
-        dp = self.data_parallel_size
-        require(t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) == 0,
-                f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size x "
-                f"data-parallel size ({t.micro_batch_size} x {dp})")
+        batch_sizes.check_sizes(self)
         if p.megatron_context_parallel:
             self._validate_megatron_context_parallel()
         elif p.context_parallel_size > 1:

@@ -19,6 +19,8 @@ than by version number, so a patch release that backports a change needs nothing
 - tokenizer base class: 0.16 has ``MegatronLegacyTokenizer`` in
   ``megatron.core.datasets.megatron_tokenizer``; 0.19 has ``MegatronTokenizerBase`` in
   ``megatron.core.tokenizers``, which also asks for ``apply_chat_template``.
+- microbatch calculator: 0.16 and 0.17 ramp the batch size (``RampupBatchsizeNumMicroBatchesCalculator``);
+  0.18 dropped it for ``StepBatchsizeNumMicroBatchesCalculator`` (a step schedule), which they lack.
 
 Imports of megatron-core happen inside the functions: the configuration and the simulator
 import this package without torch.
@@ -131,3 +133,12 @@ def tokenizer_base() -> type:
         except (ImportError, AttributeError):
             continue
     return ABC
+
+
+def microbatch_calculator_class(kind: str):
+    """megatron-core's calculator class of ``kind`` ("Rampup", "Step" or "Constant"), or None
+    where this release has none (``...BatchsizeNumMicroBatchesCalculator``; Constant's name has no Batchsize)."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    name = "ConstantNumMicroBatchesCalculator" if kind == "Constant" else f"{kind}BatchsizeNumMicroBatchesCalculator"
+    return getattr(calculators, name, None)

@@ -72,8 +72,6 @@ class MegatronCompatConfig:
                                     "parallelism; use --offload-layer-inputs (with --recompute-granularity full) "
                                     "to keep each layer's saved input in host memory", default=False)
     use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
-    rampup_batch_size: Optional[list[int]] = _refused("batch-size ramp-up changes the math; use a fixed "
-                                                      "--global-batch-size")
     wandb_project: Optional[str] = _refused("Weights & Biases logging; use --tensorboard-dir")
 
     def validate(self) -> None:

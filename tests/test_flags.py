@@ -45,6 +45,7 @@ MEGATRON_FLAGS = """
 --fp8-format --fp8-recipe --fp8-margin --fp8-amax-history-len --fp8-amax-compute-algo --no-fp8-wgrad
 --fp8-param-gather --first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16
 --async-save --ckpt-fully-parallel-load
+--rampup-batch-size --step-batch-size-schedule --decrease-batch-size-if-needed
 """.split()
 
 

@@ -47,7 +47,6 @@ def test_noop_flags_leave_the_configuration_unchanged():
 
 REFUSED = {
     "--use-megatron-fsdp": [], "--use-legacy-models": [],
-    "--rampup-batch-size": ["16", "16", "1000"],
     "--wandb-project": ["x"],
     "--cpu-offloading": [],
 }

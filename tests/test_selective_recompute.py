@@ -79,7 +79,7 @@ def test_tflops_count_no_recomputation_as_megatron_lm():
     """Megatron-LM's num_floating_point_operations: 3 x the forward's FLOPs whatever --recompute-*
     say. By hand for a GPT layer: QKV, projection and the two MLP GEMMs 24 T h^2, the attention
     (full square) 4 b s^2 h, the logits 2 T h V."""
-    from megatron_weipipe.training.metrics import model_flops_per_iteration
+    from megatron_weipipe.training.metrics import model_flops_per_sample
 
     b, s, h, L, V, n = 2, 32, 32, 4, 512, 4
     T = b * s
@@ -87,7 +87,7 @@ def test_tflops_count_no_recomputation_as_megatron_lm():
     for flags in ({}, dict(recompute_activations=True),
                   dict(recompute_granularity="full", recompute_method="uniform")):
         cfg = parse_config(tiny_gpt_args(make_vocab_size_divisible_by=512, **flags), world_size=1)
-        assert model_flops_per_iteration(cfg, vocab_size=257) == by_hand
+        assert model_flops_per_sample(cfg, vocab_size=257) * cfg.training.global_batch_size == by_hand
 
 
 def test_the_simulator_charges_each_backward_what_it_recomputes():

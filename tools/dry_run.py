@@ -23,7 +23,9 @@ optimizer step skips the gradient-norm read and clipping.
 With --json, stdout holds one JSON object: peak_accelerator_bytes, host_bytes,
 sent_bytes (integers), categories (role -> bytes at the peak), category_peaks (each
 role's own peak, what the estimator gives per role) and estimator (the
-simulator's memory estimator and byte model for the same run, same keys). Bad flags
+simulator's memory estimator and byte model for the same run, same keys). Under
+--rampup-batch-size or --step-batch-size-schedule the iteration is one at the final batch
+size, the largest (final_batch_note says so, and the printed line). Bad flags
 exit 2. The core attention is the model's own (`--attention-backend`; `auto` is torch's
 fused kernel, which keeps no s x s probabilities, as flash attention on a GPU; `unfused`
 keeps them). `--attention flash|local` is shorthand for `--attention-backend flash|unfused`.
@@ -319,6 +321,7 @@ def dry_run(argv, world_size: int, rank: int, explain: bool = False, platform: s
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_weipipe.initialize import initialize_distributed
+    from megatron_weipipe.simulator.report import final_batch_note
     from megatron_weipipe.data.tokenizers import build_tokenizer
     from megatron_weipipe.shape import padded_vocab_size
     from megatron_weipipe.schedules import registry
@@ -385,7 +388,9 @@ def dry_run(argv, world_size: int, rank: int, explain: bool = False, platform: s
     return {"rank": rank, "world_size": world_size, "schedule": cfg.schedule_name, "platform": platform,
             "peak_accelerator_bytes": int(ledger.peak), "host_bytes": int(ledger.host_peak),
             "sent_bytes": int(sent), "categories": roles, "seconds": round(time.time() - started, 1),
-            "category_peaks": {c: int(ledger.role_peaks[c]) for c in CATEGORIES}, "estimator": estimated}
+            "category_peaks": {c: int(ledger.role_peaks[c]) for c in CATEGORIES}, "estimator": estimated,
+            # one iteration at the final batch size of a --rampup-batch-size / --step-batch-size-schedule
+            "final_batch_note": final_batch_note(cfg)}
 
 
 def _explain(ledger: Ledger) -> None:
@@ -478,7 +483,7 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         return 0
     print(f"dry run of rank {own.rank} of {own.world_size} ({out['schedule']}, layers for {own.platform}), "
-          f"{out['seconds']} s:")
+          f"{out['seconds']} s{out['final_batch_note']}:")
     est = out["estimator"]
     print("| role | at the peak (bytes) | at the peak | own peak | estimator | estimator / own peak |\n"
           "|---|---|---|---|---|---|")

@@ -46,6 +46,7 @@ MCORE_TESTS=(
   tests/test_weipipe_grad_overlap.py tests/test_layout_invariant_init.py tests/test_ddp_options.py
   tests/test_ddp_flag_rules.py tests/test_async_save.py tests/test_faults_async_save.py
   tests/test_per_token_loss.py tests/test_selective_recompute.py
+  tests/test_batch_size_rampup.py
 )
 export MEGATRON_WEIPIPE_OTHER_PYTHON="${MEGATRON_WEIPIPE_OTHER_PYTHON-$(command -v python || true)}"
 if [ "$#" -gt 0 ]; then MCORE_TESTS=("$@"); fi

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
+from megatron_weipipe.batch_sizes import schedule_flag
+
 from .hardware import GB, Cluster, GiB
 from .project import ScheduleResult
 
@@ -29,6 +31,15 @@ def _links(r: ScheduleResult) -> str:
     return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(totals.items())) or "0"
 
 
+def final_batch_note(cfg) -> str:
+    """Under a batch-size ramp or step schedule: the projection is of an iteration at the final size."""
+    steps = None if cfg is None else cfg.batch_size_steps
+    if steps is None:
+        return ""
+    return (f" (the final batch size of {schedule_flag(cfg.training)}; iterations before {steps.final_from} "
+            f"consumed samples train {steps.sizes[0]} to {steps.sizes[-2]})")
+
+
 def format_results(results: Sequence[ScheduleResult], cluster: Cluster, calibrated: bool = False) -> str:
     if not results:
         return "no schedules"
@@ -39,7 +50,7 @@ def format_results(results: Sequence[ScheduleResult], cluster: Cluster, calibrat
         f"ffn={s.ffn} vocab={s.padded_vocab(lay.tp)} seq={s.seq_length} micro-batch={s.micro_batch_size}; "
         f"{s.total_params() / 1e9:.3f} B parameters",
         f"layout: TP={lay.tp} PP={lay.pp} CP={lay.cp} DP={lay.dp} ({lay.world} ranks), global batch "
-        f"{spec.global_batch_size} = {spec.num_microbatches} microbatches per replica",
+        f"{spec.global_batch_size} = {spec.num_microbatches} microbatches per replica{final_batch_note(spec.config)}",
     ]
     if calibrated:
         lines.append("costs: measured on this host (--calibrate); MFU column shows achieved GFLOP/s per rank")

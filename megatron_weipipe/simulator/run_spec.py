@@ -274,7 +274,7 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
     if cfg.fpdt.enabled:
         fpdt = FPDTSpec(**{f.name: getattr(cfg.fpdt, f.name) for f in fields(FPDTConfig)},
                         offload_checkpoints=offload_checkpoints)
-    return RunSpec(
+    return RunSpec(  # at the final batch size (a ramp's or step schedule's last)
         shape=shape, layout=layout, global_batch_size=t.global_batch_size, schedule=cfg.schedule_name,
         virtual_stages=virtual_stages, recompute=m.recompute_granularity == "full" or offload_checkpoints,
         recompute_modules=() if offload_checkpoints else m.selective_modules,

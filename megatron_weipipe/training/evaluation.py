@@ -21,7 +21,8 @@ def evaluate(run: TrainingRun) -> Optional[float]:
     values, contributes = [], False
     with torch.no_grad():
         for _ in range(run.cfg.training.eval_iters):
-            microbatches = next_microbatches(run.valid_iter, run.microbatches_per_iteration)
+            # Megatron-LM evaluates at --global-batch-size, not at a ramp's current one
+            microbatches = next_microbatches(run.valid_iter, schedule.local_microbatches(run.cfg.num_microbatches))
             result = schedule.forward_backward(run.hooks.forward_step, microbatches, forward_only=True)
             run.housekeeping.after_evaluation_step()
             contributes = reports_loss(result, run.ctx.groups)

@@ -20,10 +20,14 @@ class LogWindow:
 
     start: float = field(default_factory=time.time)
     iterations: int = 0
+    samples: int = 0  # trained since the last line (a ramp's batch sizes differ per iteration)
+    global_batch_size: int = 0  # the last iteration's
     last_grad_norm: Optional[float] = None
 
-    def add(self, outcome: StepOutcome) -> None:
+    def add(self, outcome: StepOutcome, global_batch_size: int) -> None:
         self.iterations += 1
+        self.samples += global_batch_size
+        self.global_batch_size = global_batch_size
         if outcome.stepped:
             self.last_grad_norm = outcome.grad_norm
 
@@ -32,24 +36,25 @@ class LogWindow:
         self.start = time.time()
 
     def restart(self) -> None:
-        self.start, self.iterations = time.time(), 0
+        self.start, self.iterations, self.samples = time.time(), 0, 0
 
 
 def log_iteration(run: TrainingRun, state: TrainState, outcome: StepOutcome, window: LogWindow) -> None:
     """Print the log line of this iteration (rank 0) after handing its fields to ``on_log`` (every rank)."""
     cfg, t, optimizer = run.cfg, run.cfg.training, run.optimizer
-    per_iter = (time.time() - window.start) / window.iterations
+    elapsed = time.time() - window.start
+    per_iter = elapsed / window.iterations
     mem, _ = run.ctx.platform.peak_memory_gb()
     lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else t.lr
     stats = dict(
         iteration=state.iteration,
-        train_iters=t.iterations,
+        train_iters=run.train_iters,
         consumed_samples=state.consumed_train_samples,
         elapsed_ms=per_iter * 1000,
-        tflops_per_device=run.flops_per_iteration / per_iter / 1e12 / cfg.world_size,
-        tokens_per_second=t.global_batch_size * cfg.model.seq_length / per_iter,
+        tflops_per_device=run.flops_per_sample * window.samples / elapsed / 1e12 / cfg.world_size,
+        tokens_per_second=window.samples * cfg.model.seq_length / elapsed,
         lr=lr,
-        global_batch_size=t.global_batch_size,
+        global_batch_size=window.global_batch_size,  # this iteration's (a ramp's current one)
         losses={"lm loss": outcome.loss},
         loss_scale=float(optimizer.get_loss_scale().item()),
         grad_norm=outcome.grad_norm if outcome.stepped else None,  # none for a skipped step

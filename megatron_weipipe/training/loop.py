@@ -16,7 +16,7 @@ from megatron_weipipe.training.step import StepOutcome, train_step
 
 
 def train(run: TrainingRun, state: TrainState) -> None:
-    """Iterate until ``--train-iters`` or an exit request; then the closing validation and save."""
+    """Iterate until the run's last iteration or an exit request; then the closing validation and save."""
     housekeeping = run.housekeeping
     housekeeping.start()
     try:
@@ -31,13 +31,15 @@ def _iterate(run: TrainingRun, state: TrainState) -> None:
     t = run.cfg.training
     window = LogWindow()
     profiler = StepProfiler.for_run(run.cfg.logging, run.ctx.platform)
-    while state.iteration < t.iterations and not t.skip_train:
+    num_microbatches = run.batch_sizes.num_microbatches
+    while state.iteration < run.train_iters and not t.skip_train:
         publish_finished_saves(run)
+        num_microbatches = update_batch_size(run, state, num_microbatches, window)
         profiler.before_iteration(state.iteration)
         outcome = train_step(run, state.iteration + 1)
-        count_iteration(state, outcome, t.global_batch_size)
+        count_iteration(state, outcome, run.batch_sizes.global_batch_size)
         profiler.after_iteration(state.iteration)
-        window.add(outcome)
+        window.add(outcome, run.batch_sizes.global_batch_size)
         if state.iteration % run.cfg.logging.log_interval == 0:
             log_iteration(run, state, outcome, window)
         if run.valid_iter is not None and state.iteration % t.eval_interval == 0:
@@ -52,6 +54,22 @@ def _iterate(run: TrainingRun, state: TrainState) -> None:
             announce_exit(run, state, reason)
             break
     profiler.close()
+
+
+def update_batch_size(run: TrainingRun, state: TrainState, num_microbatches: int, window: LogWindow) -> int:
+    """Megatron-LM's top of an iteration: megatron-core's calculator at the samples consumed; when
+    the count of microbatches changes, a line and (with --save) a checkpoint first, as Megatron-LM saves."""
+    batches = run.batch_sizes
+    batches.update(state.consumed_train_samples, consistency_check=False)
+    if batches.num_microbatches != num_microbatches and state.iteration != 0:
+        print_rank_0(f"> global batch size {batches.global_batch_size} ({batches.num_microbatches} microbatches "
+                     f"per replica) from iteration {state.iteration + 1}, {state.consumed_train_samples} samples "
+                     "consumed")
+        if run.cfg.checkpoint.save and state.last_saved_iteration != state.iteration:
+            save(run, state)
+            window.restart_clock()
+    batches.update(state.consumed_train_samples, consistency_check=True)
+    return batches.num_microbatches
 
 
 def count_iteration(state: TrainState, outcome: StepOutcome, global_batch_size: int) -> None:

@@ -12,6 +12,7 @@ from megatron_weipipe.context import RunContext
 from megatron_weipipe.data.datasets import build_train_valid_test_datasets
 from megatron_weipipe.schedules.gpt.base import ForwardStep, TrainSchedule
 from megatron_weipipe.training.checkpoint.async_saves import AsyncSaves
+from megatron_weipipe.training.batch_size import BatchSizes
 from megatron_weipipe.training.exit_signal import ExitSignal
 from megatron_weipipe.training.housekeeping import Housekeeping
 from megatron_weipipe.training.metrics import TensorBoardWriter
@@ -56,8 +57,9 @@ class TrainingRun:
     scheduler: Any  # megatron-core's OptimizerParamScheduler
     train_iter: Optional[Iterator[dict]]
     valid_iter: Optional[Iterator[dict]]
-    microbatches_per_iteration: int  # this rank's share of the global batch
-    flops_per_iteration: float
+    batch_sizes: BatchSizes  # megatron-core's microbatch calculator: this iteration's global batch
+    train_iters: int  # the run's optimizer steps (PretrainConfig.train_iters)
+    flops_per_sample: float
     tensorboard: TensorBoardWriter
     exit_signal: ExitSignal
     start_time: float  # time.time() when pretrain() was entered

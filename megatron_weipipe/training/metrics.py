@@ -7,15 +7,15 @@ import datetime
 from megatron_weipipe.config import PretrainConfig
 
 
-def model_flops_per_iteration(cfg: PretrainConfig, vocab_size: int) -> float:
-    """Training FLOPs of one iteration (the whole model, every microbatch), Megatron-LM's
-    convention (its num_floating_point_operations): 3 x forward matmul FLOPs, attention counted
-    as the full square. Model FLOPs: recomputation, full or selective, adds none (Megatron-LM's
-    expansion factor is 3 whatever --recompute-* say)."""
+def model_flops_per_sample(cfg: PretrainConfig, vocab_size: int) -> float:
+    """Training FLOPs of one sample (the whole model), Megatron-LM's convention (its
+    num_floating_point_operations): 3 x forward matmul FLOPs, attention counted as the full
+    square. Model FLOPs: recomputation, full or selective, adds none (Megatron-LM's expansion
+    factor is 3 whatever --recompute-* say). An iteration's are this times its global batch
+    size (a ramp's current one)."""
     t = cfg.training
     shape = cfg.model.shape(micro_batch_size=t.micro_batch_size, vocab_size=vocab_size)
-    microbatches = t.global_batch_size // t.micro_batch_size
-    return microbatches * shape.model_flops_per_microbatch(causal_fraction=1.0)
+    return shape.model_flops_per_microbatch(causal_fraction=1.0) / t.micro_batch_size
 
 
 def format_bytes(n: float) -> str:

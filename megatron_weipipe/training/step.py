@@ -52,7 +52,8 @@ def train_step(run: TrainingRun, iteration: int) -> StepOutcome:
     all-reduce of losses and exit flags, then the optimizer step unless NaN/Inf vetoes it."""
     ctx, schedule, optimizer = run.ctx, run.schedule, run.optimizer
     faults.set_phase("reading data", iteration)
-    microbatches = next_microbatches(run.train_iter, run.microbatches_per_iteration)
+    # this iteration's share of megatron-core's count (the loop updated the calculator)
+    microbatches = next_microbatches(run.train_iter, schedule.local_microbatches(run.batch_sizes.num_microbatches))
     faults.set_phase(faults.TRAIN_STEP, iteration)
     ctx.bytes.reset()
     schedule.zero_grad()
@@ -73,8 +74,8 @@ def train_step(run: TrainingRun, iteration: int) -> StepOutcome:
     stepped, grad_norm, num_zeros = False, None, None
     if not reduced.bad or not run.cfg.training.check_for_nan_in_loss_and_grad:
         stepped, grad_norm, num_zeros = _step_optimizer(run, iteration)
-    if stepped:
-        run.scheduler.step(increment=run.cfg.training.global_batch_size)
+    if stepped:  # Megatron-LM's increment: this iteration's samples
+        run.scheduler.step(increment=run.batch_sizes.global_batch_size)
     run.housekeeping.after_optimizer_step(stepped)
     return _outcome(reduced, stepped, grad_norm, num_zeros)
 

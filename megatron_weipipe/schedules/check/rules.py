@@ -1,7 +1,8 @@
 """Start-up rules of every schedule: flag combinations it cannot run.
 
 Each rule is ``(cfg, name) -> None`` and raises ConfigError with one sentence naming the
-flag. They read only ``cfg.parallel``, ``cfg.num_microbatches`` and ``cfg.fp8.enabled`` of a
+flag. They read only ``cfg.parallel``, ``cfg.num_microbatches``, ``cfg.fp8.enabled`` and the
+batch sizes a --rampup-batch-size or --step-batch-size-schedule reaches (``_reached``) of a
 PretrainConfig, so the start-up validation and the simulator run them without torch or a
 model (ConfigError is imported only to be raised). registry.py names the rule of each
 schedule; the TrainSchedule classes reach them through registry.check_config.
@@ -19,6 +20,26 @@ def _refuse(message: str) -> NoReturn:
     from megatron_weipipe.config import ConfigError
 
     raise ConfigError(message)
+
+
+def _reached(cfg: "PretrainConfig") -> list[tuple[str, int]]:
+    """(what it is, microbatches per replica) of every iteration size the run reaches that
+    differs from --global-batch-size's: a batch-size schedule's, from the start or the
+    checkpoint loaded on (PretrainConfig.batch_size_changes)."""
+    from megatron_weipipe.batch_sizes import schedule_flag
+
+    unit = cfg.training.micro_batch_size * cfg.data_parallel_size
+    flag = schedule_flag(cfg.training)
+    return [(f"{flag} reaches global batch size {size} at iteration {iteration}", size // unit)
+            for iteration, _, size in cfg.batch_size_changes() if size // unit != cfg.num_microbatches]
+
+
+def _check_multiple(cfg: "PretrainConfig", what: str, P: int) -> None:
+    """Each iteration's microbatches per replica a multiple of P (interleaved 1F1B, WeiPipe's ring)."""
+    for reached, n in _reached(cfg):
+        if n % P != 0:
+            _refuse(f"{what} needs the number of microbatches per replica to be a multiple of "
+                    f"--pipeline-model-parallel-size ({P}); {reached}: {n} microbatches per replica")
 
 
 def check_no_pipelining(cfg: "PretrainConfig", name: str) -> None:
@@ -43,6 +64,7 @@ def check_interleaved(cfg: "PretrainConfig", name: str) -> None:
             f"--pipeline-schedule {name} needs the number of microbatches per replica "
             f"({cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({pp})"
         )
+    _check_multiple(cfg, f"--pipeline-schedule {name}", pp)
 
 
 def check_weipipe(cfg: "PretrainConfig", name: str) -> None:
@@ -68,3 +90,4 @@ def check_weipipe(cfg: "PretrainConfig", name: str) -> None:
             f"{flag} needs the number of microbatches per replica (--global-batch-size / (--micro-batch-size x "
             f"data-parallel size) = {cfg.num_microbatches}) to be a multiple of --pipeline-model-parallel-size ({P})"
         )
+    _check_multiple(cfg, f"{flag} (G = microbatches / ring size)", P)

@@ -88,12 +88,18 @@ class TrainSchedule(ABC):
         """Run every microbatch of one iteration (this data-parallel replica's share)."""
 
     def data_shard(self) -> tuple[int, int, int]:
-        """(data rank, number of data ranks, microbatches per iteration) for this rank's loader.
+        """(data rank, number of data ranks, microbatches per iteration at --global-batch-size)
+        for this rank's loader.
 
         Megatron's schedules shard samples over data-parallel replicas; every stage of a
         pipeline reads the same microbatches.
         """
-        return self.groups.dp_rank, self.groups.dp_size, self.cfg.num_microbatches
+        return self.groups.dp_rank, self.groups.dp_size, self.local_microbatches(self.cfg.num_microbatches)
+
+    def local_microbatches(self, num_microbatches: int) -> int:
+        """This rank's microbatches of an iteration of ``num_microbatches`` per data-parallel
+        replica (a batch-size ramp changes it between iterations)."""
+        return num_microbatches
 
     def zero_grad(self) -> None:
         for chunk in self.model_chunks:

@@ -4,9 +4,12 @@ Ring = the pipeline-model-parallel group (P ranks). Each ring rank trains G =
 num_microbatches / P microbatches of its own per iteration through all P decoder
 chunks, the chunks' weights and gradients circulating (schedules/runtime/ring.py).
 The variant only decides the action lists (its plan, through the registry); this class
-is the same for all of them. At the rank's OPTIMIZER_STEP the owner's summed chunk
-gradient is copied into megatron-core DDP's main_grad (and, with --overlap-grad-reduce,
-its data-parallel reduction starts); after the schedule the replicated parameters'
+is the same for all of them. A plan is generated and validated for one G: under a
+batch-size ramp each G the run reaches gets its own, built when first reached and kept
+(the start-up rules refuse a ramp whose microbatch counts the ring does not divide).
+At the rank's OPTIMIZER_STEP the owner's summed chunk gradient is copied into
+megatron-core DDP's main_grad (and, with --overlap-grad-reduce, its data-parallel
+reduction starts); after the schedule the replicated parameters'
 gradients are summed over the ring and DDP finishes the data-parallel reduction
 (grad_sync.py), so megatron-core's optimizer (fp32 master, clipping, Adam) and
 checkpointing run unchanged.
@@ -36,20 +39,16 @@ class WeiPipeSchedule(TrainSchedule):
         if registry.entry(self.name).family != registry.WEIPIPE:
             raise ValueError(f"{self.name!r} is not a WeiPipe schedule")
         self.P = self.groups.pp_size
-        self.G = cfg.num_microbatches // self.P
-        self.runtime = None
+        self.G = cfg.num_microbatches // self.P  # at --global-batch-size
+        self.runtime = None  # the runtime of the G of the last iteration (of --global-batch-size before any)
+        self.runtimes: dict = {}  # G -> WeiPipeRuntime of that G's validated plan
         self.last_iteration = None
 
     # ------------------------------------------------------------------ model
 
     def build_model(self, model_provider: ModelProvider) -> list[torch.nn.Module]:
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
         from megatron_weipipe.model.gpt import compute_dtype
-        from megatron_weipipe.schedules.generate.weipipe import generate
-        from megatron_weipipe.schedules.check.validate import validate
         from megatron_weipipe.schedules.runtime.flat import FlatViews
-        from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
         from megatron_weipipe.schedules.gpt.megatron_schedules import ddp_config
 
         from megatron_weipipe.schedules.gpt.weipipe import deferred
@@ -74,9 +73,23 @@ class WeiPipeSchedule(TrainSchedule):
         self.model_chunks = [self.grad_sync.ddp]
         self.ends = GPTEnds(model, num_microbatches=self.G * self.P, cp_size=g.cp_size)
         self.compute_dtype = compute_dtype(self.cfg)
-        schedule = generate(self.name, self.P, self.G)
+        self.runtime = self._runtime(self.G)
+        return self.model_chunks
+
+    def _runtime(self, G: int):
+        """The runtime of G microbatches per ring rank: its plan generated and validated once."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        from megatron_weipipe.schedules.check.validate import validate
+        from megatron_weipipe.schedules.generate.weipipe import generate
+        from megatron_weipipe.schedules.runtime.ring import WeiPipeRuntime
+
+        if G in self.runtimes:
+            return self.runtimes[G]
+        schedule = generate(self.name, self.P, G)
         validate(schedule)
-        self.runtime = WeiPipeRuntime(
+        model, g = self.model, self.groups
+        self.runtimes[G] = WeiPipeRuntime(
             schedule,
             ring_group=g.pipeline,
             chunk_template=self.template,
@@ -94,13 +107,17 @@ class WeiPipeSchedule(TrainSchedule):
             # selective recomputation runs the template's modules again inside a backward
             rebind=selective,
         )
-        return self.model_chunks
+        return self.runtimes[G]
 
     def data_shard(self) -> tuple[int, int, int]:
         """Ring rank r of replica d reads global microbatches (d*P + r) + k*DP*P: the
         ring's G*P microbatches are the ones a PP=1 run reads in that iteration."""
         g = self.groups
         return g.dp_rank * self.P + g.pp_rank, g.dp_size * self.P, self.G
+
+    def local_microbatches(self, num_microbatches: int) -> int:
+        """G = N / P: each ring rank trains its own G of the replica's N."""
+        return num_microbatches // self.P
 
     def _master(self) -> torch.Tensor:
         """The owned chunk's current (post-step) weights, flat."""
@@ -116,6 +133,8 @@ class WeiPipeSchedule(TrainSchedule):
         if forward_only:
             self._forward_only(mbs)
         else:
+            self.runtime = self._runtime(len(mbs))
+            self.ends.num_microbatches = len(mbs) * self.P  # the loss is divided by the replica's N
             with self.trace_iteration():
                 with self.grad_sync.schedule_scope():
                     result = self.runtime.run_iteration(
