@@ -31,6 +31,11 @@ from megatron_weipipe.megatron_compat import MegatronCompatConfig
 log = logging.getLogger(__name__)
 SEQUENCE_PARALLEL_OFF = ("warning: disabling --sequence-parallel because --tensor-model-parallel-size is 1 "
                          "(as Megatron-LM does)")
+RESET_ATTENTION_MASK_OFF = ("warning: --reset-attention-mask has no effect with "
+                            "--no-create-attention-mask-in-dataloader: documents in a sample attend to each other "
+                            "(as in Megatron-LM)")
+TIKTOKEN_SPECIAL_TOKENS_DEPRECATED = ("warning: --tiktoken-special-tokens is deprecated, use "
+                                      "--tokenizer-special-tokens (as Megatron-LM says)")
 
 # (PretrainConfig field, its dataclass, argument-group title), in --help order.
 SECTIONS = (
@@ -83,8 +88,13 @@ def resolve_defaults(cfg: PretrainConfig) -> PretrainConfig:
     from megatron_weipipe.schedules import registry
 
     resolved = cfg.with_derived_defaults(registry.schedule_name(cfg))
-    if cfg.parallel.sequence_parallel and not resolved.parallel.sequence_parallel and launcher_rank() == 0:
-        log.warning(SEQUENCE_PARALLEL_OFF)
+    if launcher_rank() == 0:
+        if cfg.parallel.sequence_parallel and not resolved.parallel.sequence_parallel:
+            log.warning(SEQUENCE_PARALLEL_OFF)
+        if cfg.data.reset_attention_mask and not resolved.data.reset_attention_mask:
+            log.warning(RESET_ATTENTION_MASK_OFF)
+        if cfg.data.tiktoken_special_tokens:
+            log.warning(TIKTOKEN_SPECIAL_TOKENS_DEPRECATED)
     return resolved
 
 

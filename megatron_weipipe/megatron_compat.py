@@ -55,14 +55,11 @@ class MegatronCompatConfig:
     manual_gc: bool = _noop("Python garbage-collection timing")
     manual_gc_interval: int = _noop("Python garbage-collection timing", default=0)
     empty_unused_memory_level: int = _noop("CUDA caching-allocator handling", default=0)
-    no_create_attention_mask_in_dataloader: bool = _noop("causal masks are built by the model")
-    no_mmap_bin_files: bool = _noop("how the indexed dataset is read")
     ckpt_fully_parallel_save: bool = _noop("checkpoint writing strategy")
     ckpt_fully_parallel_load: bool = _noop("checkpoint reading strategy")
     ckpt_assume_constant_structure: bool = _noop("checkpoint caching")
     async_save: bool = _noop("checkpoints are written synchronously")
     use_dist_ckpt: bool = _noop("checkpoints are always torch_dist")
-    log_validation_ppl_to_tensorboard: bool = _noop("logging")
     # --- refused: one line naming the flag ----------------------------------------
     fp8_format: Optional[str] = _refused("FP8 needs Transformer Engine on Hopper-class GPUs")
     use_megatron_fsdp: bool = _refused("Megatron's own FSDP is not one of this package's data-parallel modes "
@@ -77,7 +74,6 @@ class MegatronCompatConfig:
     calculate_per_token_loss: bool = _refused("normalising the loss by the tokens of the whole batch changes "
                                               "the loss and gradients", default=False)
     grad_reduce_in_bf16: bool = _refused("gradients are reduced in fp32 here", default=False)
-    wandb_project: Optional[str] = _refused("Weights & Biases logging; use --tensorboard-dir")
 
     def validate(self) -> None:
         for f in fields(self):

@@ -37,6 +37,9 @@ MEGATRON_FLAGS = """
 --log-memory-to-tensorboard --log-timers-to-tensorboard --profile --use-pytorch-profiler
 --profile-step-start --profile-step-end --profile-ranks --dist-ckpt-optim-fully-reshardable --use-rope-scaling
  --rope-scaling-factor --allow-unverified-gpu-paths --offload-layer-inputs
+--vocab-file --merge-file --tiktoken-pattern --tiktoken-num-special-tokens --tokenizer-special-tokens
+--tiktoken-special-tokens --no-create-attention-mask-in-dataloader --no-mmap-bin-files
+--log-validation-ppl-to-tensorboard --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity --logging-level
 """.split()
 
 

@@ -19,7 +19,7 @@ from megatron_weipipe.megatron_compat import MegatronCompatConfig
 # Megatron-LM's examples/llama/train_llama3_8b flags that carry no shape, shrunk to a CPU run.
 LLAMA3_NOOPS = ("--use-mcore-models --attention-backend fused --use-flash-attn --overlap-param-gather "
                 "--no-masked-softmax-fusion --cross-entropy-loss-fusion --manual-gc --manual-gc-interval 10 "
-                "--empty-unused-memory-level 1 --no-create-attention-mask-in-dataloader --no-mmap-bin-files "
+                "--empty-unused-memory-level 1 "
                 "--ckpt-fully-parallel-save --async-save --tp-comm-overlap").split()
 LLAMA3 = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
               untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
@@ -48,7 +48,7 @@ def test_noop_flags_leave_the_configuration_unchanged():
 REFUSED = {
     "--fp8-format": ["hybrid"], "--use-megatron-fsdp": [], "--use-legacy-models": [],
     "--rampup-batch-size": ["16", "16", "1000"],
-    "--calculate-per-token-loss": [], "--grad-reduce-in-bf16": [], "--wandb-project": ["x"],
+    "--calculate-per-token-loss": [], "--grad-reduce-in-bf16": [],
     "--cpu-offloading": [],
 }
 

@@ -12,7 +12,7 @@ from megatron_weipipe.context import RunContext
 from megatron_weipipe.data.datasets import build_train_valid_test_datasets
 from megatron_weipipe.schedules.gpt.base import ForwardStep, TrainSchedule
 from megatron_weipipe.training.exit_signal import ExitSignal
-from megatron_weipipe.training.metrics import TensorBoardWriter
+from megatron_weipipe.training.writers import ScalarWriters
 
 
 @dataclass
@@ -56,6 +56,6 @@ class TrainingRun:
     valid_iter: Optional[Iterator[dict]]
     microbatches_per_iteration: int  # this rank's share of the global batch
     flops_per_iteration: float
-    tensorboard: TensorBoardWriter
+    writers: ScalarWriters  # TensorBoard and W&B (last rank)
     exit_signal: ExitSignal
     start_time: float  # time.time() when pretrain() was entered
