@@ -306,7 +306,7 @@ class LoggingConfig:
                     "--profile needs 0 <= --profile-step-start < --profile-step-end")
             require(not self.use_pytorch_profiler or self.tensorboard_dir is not None,
                     "--use-pytorch-profiler writes its trace next to --tensorboard-dir; give --tensorboard-dir")
-        if self.wandb_project is not None:
+        if self.wandb_project:  # an empty project is off, as in Megatron-LM
             import importlib.util
 
             require(self.wandb_exp_name != "", "--wandb-exp-name must not be empty (as in Megatron-LM)")
