@@ -34,6 +34,11 @@ SEQUENCE_PARALLEL_OFF = ("warning: disabling --sequence-parallel because --tenso
                          "(as Megatron-LM does)")
 OVERLAP_P2P_OFF = ("warning: disabling --overlap-p2p-comm because there are no virtual pipeline stages (as "
                    "Megatron-LM does: only the interleaved schedule overlaps its point-to-point communication)")
+RESET_ATTENTION_MASK_OFF = ("warning: --reset-attention-mask has no effect with "
+                            "--no-create-attention-mask-in-dataloader: documents in a sample attend to each other "
+                            "(as in Megatron-LM)")
+TIKTOKEN_SPECIAL_TOKENS_DEPRECATED = ("warning: --tiktoken-special-tokens is deprecated, use "
+                                      "--tokenizer-special-tokens (as Megatron-LM says)")
 
 # (PretrainConfig field, its dataclass, argument-group title), in --help order.
 SECTIONS = (
@@ -87,9 +92,14 @@ def resolve_defaults(cfg: PretrainConfig) -> PretrainConfig:
     from megatron_weipipe.schedules import registry
 
     resolved = cfg.with_derived_defaults(registry.schedule_name(cfg))
-    for name, line in (("sequence_parallel", SEQUENCE_PARALLEL_OFF), ("overlap_p2p_comm", OVERLAP_P2P_OFF)):
-        if getattr(cfg.parallel, name) and not getattr(resolved.parallel, name) and launcher_rank() == 0:
-            log.warning(line)
+    if launcher_rank() == 0:
+        for name, line in (("sequence_parallel", SEQUENCE_PARALLEL_OFF), ("overlap_p2p_comm", OVERLAP_P2P_OFF)):
+            if getattr(cfg.parallel, name) and not getattr(resolved.parallel, name):
+                log.warning(line)
+        if cfg.data.reset_attention_mask and not resolved.data.reset_attention_mask:
+            log.warning(RESET_ATTENTION_MASK_OFF)
+        if cfg.data.tiktoken_special_tokens:
+            log.warning(TIKTOKEN_SPECIAL_TOKENS_DEPRECATED)
     return resolved
 
 

@@ -287,6 +287,16 @@ class LoggingConfig:
     profile_step_end: int = option(12, help="the iteration --profile stops at")
     profile_ranks: list[int] = option(help="the global ranks --profile profiles (none given: all)",
                                       default_factory=list)
+    log_validation_ppl_to_tensorboard: bool = option(False, help="write the validation perplexity "
+                                                     "(lm-loss-validation-ppl) next to the validation loss")
+    wandb_project: Optional[str] = option(None, help="log the TensorBoard scalars to this Weights & Biases project "
+                                          "too, from the last rank, the run's flags as its config (needs wandb)")
+    wandb_exp_name: Optional[str] = option(None, help="the W&B run's name (default: W&B picks one)")
+    wandb_save_dir: Optional[str] = option(None, help="where W&B writes its run files (default: <--save>/wandb, "
+                                           "without --save W&B's own ./wandb)")
+    wandb_entity: Optional[str] = option(None, help="the W&B entity (team or user) the project belongs to")
+    logging_level: Optional[int] = option(None, help="the Python logging level of the run (10 DEBUG, 20 INFO, "
+                                          "30 WARNING, 40 ERROR); default: MEGATRON_LOGGING_LEVEL, else unchanged")
 
     def validate(self) -> None:
         require(self.log_interval > 0, "--log-interval must be positive")
@@ -300,6 +310,12 @@ class LoggingConfig:
                     "--profile needs 0 <= --profile-step-start < --profile-step-end")
             require(not self.use_pytorch_profiler or self.tensorboard_dir is not None,
                     "--use-pytorch-profiler writes its trace next to --tensorboard-dir; give --tensorboard-dir")
+        if self.wandb_project:  # an empty project is off, as in Megatron-LM
+            import importlib.util
+
+            require(self.wandb_exp_name != "", "--wandb-exp-name must not be empty (as in Megatron-LM)")
+            require(importlib.util.find_spec("wandb") is not None,
+                    "--wandb-project needs the 'wandb' package: pip install wandb (or megatron-weipipe[wandb])")
 
 
 @dataclass
@@ -384,6 +400,9 @@ class PretrainConfig:
         (ParallelConfig.resolved), selective recomputation (from --recompute-activations), and the
         data's sequence length and seed."""
         t, mp = self.training, self.parallel.model_parallel_size
+        # megatron-core's dataset separates documents only in the mask it builds (Megatron-LM:
+        # --no-create-attention-mask-in-dataloader drops --reset-attention-mask's effect)
+        reset = self.data.reset_attention_mask and self.data.create_attention_mask_in_dataloader
         gbs = t.global_batch_size
         if gbs is None and t.step_batch_size_schedule is not None:
             gbs = batch_sizes.parse_step_schedule(t.step_batch_size_schedule, self.model.seq_length).final
@@ -397,9 +416,9 @@ class PretrainConfig:
             model=m,
             training=replace(t, global_batch_size=gbs),
             parallel=self.parallel.resolved(schedule_name),
-            data=replace(self.data, seq_length=self.model.seq_length, seed=t.seed,
+            data=replace(self.data, seq_length=self.model.seq_length, seed=t.seed, reset_attention_mask=reset,
                          # Ulysses/FPDT take document offsets computed in the forward step, never [s, s].
-                         create_attention_mask=self.data.reset_attention_mask and not self._long_context()),
+                         create_attention_mask=reset and not self._long_context()),
         )
 
     def _long_context(self) -> bool:

@@ -54,13 +54,10 @@ class MegatronCompatConfig:
     no_overlap_p2p_communication: bool = _noop("point-to-point communication is overlapped only with "
                                                "--overlap-p2p-comm (Megatron-LM overlaps it by default with "
                                                "virtual stages)")
-    no_create_attention_mask_in_dataloader: bool = _noop("causal masks are built by the model")
-    no_mmap_bin_files: bool = _noop("how the indexed dataset is read")
     ckpt_fully_parallel_save: bool = _noop("deprecated in Megatron-LM, without effect there too; which replica "
                                            "writes a replicated shard, not what is written")
     ckpt_assume_constant_structure: bool = _noop("reuse of the previous save's plan; the same files")
     use_dist_ckpt: bool = _noop("checkpoints are always torch_dist")
-    log_validation_ppl_to_tensorboard: bool = _noop("logging")
     data_parallel_sharding_strategy: str = _noop(_MEGATRON_FSDP, default="optim_grads_params")
     fsdp_double_buffer: bool = _noop(_MEGATRON_FSDP)
     fsdp_manual_registration: bool = _noop(_MEGATRON_FSDP)
@@ -72,7 +69,6 @@ class MegatronCompatConfig:
                                     "parallelism; use --offload-layer-inputs (with --recompute-granularity full) "
                                     "to keep each layer's saved input in host memory", default=False)
     use_legacy_models: bool = _refused("only megatron-core models are built", default=False)
-    wandb_project: Optional[str] = _refused("Weights & Biases logging; use --tensorboard-dir")
 
     def validate(self) -> None:
         for f in fields(self):

@@ -126,7 +126,9 @@ def test_sentencepiece_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("GPT2BPETokenizer", None, None), "is not one of"),
+        (("BertWordPieceCase", None, None), "is not one of"),
+        (("GPT2BPETokenizer", None, None), "needs --vocab-file"),
+        (("TikTokenizer", None, None), "needs tokenizer_model"),
         (("HuggingFaceTokenizer", None, None), "needs tokenizer_model"),
         (("HuggingFaceTokenizer", "/nonexistent/tokenizer.json", None), "does not exist"),
         (("SentencePieceTokenizer", "/nonexistent/sp.model", None), "does not exist"),
@@ -146,6 +148,8 @@ def test_factory_builds_every_fileless_type():
         "HuggingFaceTokenizer",
         "SentencePieceTokenizer",
         "NullTokenizer",
+        "TikTokenizer",
+        "GPT2BPETokenizer",
     }
 
 

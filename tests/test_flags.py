@@ -46,6 +46,9 @@ MEGATRON_FLAGS = """
 --fp8-param-gather --first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16
 --async-save --ckpt-fully-parallel-load
 --rampup-batch-size --step-batch-size-schedule --decrease-batch-size-if-needed
+--vocab-file --merge-file --tiktoken-pattern --tiktoken-num-special-tokens --tokenizer-special-tokens
+--tiktoken-special-tokens --no-create-attention-mask-in-dataloader --no-mmap-bin-files
+--log-validation-ppl-to-tensorboard --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity --logging-level
 """.split()
 
 

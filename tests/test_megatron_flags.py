@@ -18,9 +18,7 @@ from megatron_weipipe.megatron_compat import MegatronCompatConfig
 
 # Megatron-LM's examples/llama/train_llama3_8b flags that carry no shape, shrunk to a CPU run.
 LLAMA3_NOOPS = ("--use-mcore-models --attention-backend fused --use-flash-attn "
-                "--no-masked-softmax-fusion --cross-entropy-loss-fusion "
-                "--no-create-attention-mask-in-dataloader --no-mmap-bin-files "
-                "--ckpt-fully-parallel-save").split()
+                "--no-masked-softmax-fusion --cross-entropy-loss-fusion --ckpt-fully-parallel-save").split()
 LLAMA3 = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
               untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
               use_distributed_optimizer=True, overlap_grad_reduce=True, bf16=True, ckpt_format="torch_dist",
@@ -47,7 +45,6 @@ def test_noop_flags_leave_the_configuration_unchanged():
 
 REFUSED = {
     "--use-megatron-fsdp": [], "--use-legacy-models": [],
-    "--wandb-project": ["x"],
     "--cpu-offloading": [],
 }
 

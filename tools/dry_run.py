@@ -344,7 +344,7 @@ def dry_run(argv, world_size: int, rank: int, explain: bool = False, platform: s
     ledger = Ledger()
     ledger.explain = explain
     _patch_scopes(ledger)
-    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
+    tokenizer = build_tokenizer(cfg.data)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ctx.groups.tp_size)
     started = time.time()
     from megatron_weipipe import residency

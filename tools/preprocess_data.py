@@ -23,6 +23,9 @@ from megatron_weipipe.platform import quiet_host_notices  # noqa: E402 - after T
 
 quiet_host_notices()
 
+from megatron_weipipe.data.config import TokenizerConfig  # noqa: E402
+from megatron_weipipe.flags import add_flags, from_args  # noqa: E402
+
 
 class InputError(Exception):
     """Bad input: reported as one line, no traceback."""
@@ -35,10 +38,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
-    p.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
-                   help="ByteLevelTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer or NullTokenizer")
-    p.add_argument("--tokenizer-model", default=None, help="tokenizer.json or SentencePiece .model path")
-    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for NullTokenizer")
+    add_flags(p, TokenizerConfig, title="tokenizer (pretrain_gpt.py's flags)")
     p.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
     args = p.parse_args(argv)
     if args.workers < 1:
@@ -56,12 +56,11 @@ _KEYS: list[str] = []
 _APPEND_EOD = False
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None,
-                 keys: list[str], append_eod: bool) -> None:
+def _init_worker(tokenizer: TokenizerConfig, keys: list[str], append_eod: bool) -> None:
     global _TOKENIZER, _KEYS, _APPEND_EOD
     from megatron_weipipe.data.tokenizers import build_tokenizer
 
-    _TOKENIZER = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+    _TOKENIZER = build_tokenizer(tokenizer)
     _KEYS = keys
     _APPEND_EOD = append_eod
 
@@ -110,15 +109,15 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
 
     if not os.path.isfile(args.input):
         raise InputError(f"input file {args.input} does not exist")
-    tok_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-    tokenizer = build_tokenizer(*tok_args)
+    tok_cfg = from_args(args, TokenizerConfig)
+    tokenizer = build_tokenizer(tok_cfg)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
 
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
     builders = {k: IndexedDatasetBuilder(p + ".bin.tmp", dtype=dtype) for k, p in paths.items()}
-    init = (*tok_args, list(args.json_keys), args.append_eod)
+    init = (tok_cfg, list(args.json_keys), args.append_eod)
 
     docs = tokens = nbytes = empty = 0
     start = time.monotonic()

@@ -32,7 +32,7 @@ fi
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" "megatron-core==$MCORE_VERSION" regex psutil numpy einops \
-  pytest pytest-timeout tokenizers sentencepiece "transformers>=5" safetensors
+  pytest pytest-timeout tokenizers sentencepiece "transformers>=5" safetensors tiktoken wandb tensorboard
 "$VENV/bin/pip" install -q --no-deps -e .
 echo "test_newest_mcore: $("$VENV/bin/python" -W ignore -c 'import sys, torch, megatron.core as m; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")' 2>/dev/null), installed in $(( $(date +%s) - start )) s"
 
@@ -47,6 +47,7 @@ MCORE_TESTS=(
   tests/test_ddp_flag_rules.py tests/test_async_save.py tests/test_faults_async_save.py
   tests/test_per_token_loss.py tests/test_selective_recompute.py
   tests/test_batch_size_rampup.py
+  tests/test_data_bpe_tokenizers.py tests/test_data_loader_flags.py tests/test_wandb_logging.py
 )
 export MEGATRON_WEIPIPE_OTHER_PYTHON="${MEGATRON_WEIPIPE_OTHER_PYTHON-$(command -v python || true)}"
 if [ "$#" -gt 0 ]; then MCORE_TESTS=("$@"); fi

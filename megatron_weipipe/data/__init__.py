@@ -20,6 +20,9 @@ _EXPORTS = {
     "HuggingFaceTokenizer": "tokenizers",
     "NullTokenizer": "tokenizers",
     "SentencePieceTokenizer": "tokenizers",
+    "TikTokenizer": "bpe_tokenizers",
+    "GPT2BPETokenizer": "bpe_tokenizers",
+    "TokenizerConfig": "config",
     "Tokenizer": "tokenizers",
     "build_tokenizer": "tokenizers",
 }

@@ -132,31 +132,88 @@ TOKENIZER_TYPES = (
     "HuggingFaceTokenizer",
     "SentencePieceTokenizer",
     "NullTokenizer",
+    "TikTokenizer",
+    "GPT2BPETokenizer",
 )
-
-
-def check_tokenizer_args(
-    tokenizer_type: str | None, tokenizer_model: str | None, vocab_size: int | None
-) -> None:
-    """Raise ValueError with one sentence if these arguments cannot build a tokenizer."""
-    if tokenizer_type not in TOKENIZER_TYPES:
-        raise ValueError(
-            f"tokenizer_type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}."
-        )
-    if tokenizer_type in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
-        if not tokenizer_model:
-            raise ValueError(f"{tokenizer_type} needs tokenizer_model, the path of a local file.")
-        if not os.path.isfile(tokenizer_model):
-            raise ValueError(f"tokenizer_model file {tokenizer_model} does not exist.")
-    if tokenizer_type == "NullTokenizer":
-        if vocab_size is None or int(vocab_size) < 1:
-            raise ValueError("NullTokenizer needs vocab_size, a positive integer.")
-
+# megatron-core's TikTokenTokenizer: the special tokens a list must hold, and the vocabulary size it assumes.
+TIKTOKEN_REQUIRED_SPECIAL = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
+TIKTOKEN_DEFAULT_VOCAB_SIZE = 2**17
+_NEEDS_MODEL_FILE = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "TikTokenizer")
 
 
 @dataclass(kw_only=True)
-class DataConfig:
-    """Where training text comes from and how samples are cut from it."""
+class TokenizerConfig:
+    """Megatron-LM's tokenizer flags, shared by pretrain_gpt.py and tools/preprocess_data.py
+    (Megatron-LM's preprocessing takes the same ones). Only local files are read."""
+
+    tokenizer_type: str = option("ByteLevelTokenizer", help=f"{', '.join(TOKENIZER_TYPES[:-1])} or "
+                                                             f"{TOKENIZER_TYPES[-1]}")
+    tokenizer_model: str | None = option(None, help="local tokenizer.json, SentencePiece model, or TikTokenizer "
+                                                    "vocabulary (.json of ranks and base64 token bytes)")
+    vocab_size: int | None = option(None, help="NullTokenizer: ids before the EOD; TikTokenizer: special tokens plus "
+                                               f"the file's first tokens kept (default {TIKTOKEN_DEFAULT_VOCAB_SIZE})")
+    vocab_file: str | None = option(None, help="GPT2BPETokenizer's vocab.json")
+    merge_file: str | None = option(None, help="GPT2BPETokenizer's merges.txt")
+    tiktoken_pattern: str | None = option(None, choices=("v1", "v2"), help="TikTokenizer's pre-split regex "
+                                          "(megatron-core's v1 or v2; default v2); other tokenizers ignore it")
+    tiktoken_num_special_tokens: int = option(1000, help="TikTokenizer: ids 0..N-1 are special tokens, the file's "
+                                                         "ranks start at N")
+    tokenizer_special_tokens: list[str] | None = option(
+        None, help="TikTokenizer's special tokens in id order, holding " + " ".join(TIKTOKEN_REQUIRED_SPECIAL)
+                   + "; <SPECIAL_i> fill the rest up to --tiktoken-num-special-tokens")
+    tiktoken_special_tokens: list[str] | None = option(None, help="Megatron-LM's former (deprecated) spelling of "
+                                                                  "--tokenizer-special-tokens")
+
+    @property
+    def special_tokens(self) -> list[str] | None:
+        return self.tokenizer_special_tokens or self.tiktoken_special_tokens
+
+    def check_tokenizer(self) -> None:
+        """Raise ValueError with one sentence if these flags cannot build a tokenizer."""
+        kind = self.tokenizer_type
+        if kind not in TOKENIZER_TYPES:
+            raise ValueError(f"tokenizer_type {kind!r} is not one of {', '.join(TOKENIZER_TYPES)}.")
+        if kind in _NEEDS_MODEL_FILE:
+            if not self.tokenizer_model:
+                raise ValueError(f"{kind} needs tokenizer_model, the path of a local file.")
+            if not os.path.isfile(self.tokenizer_model):
+                raise ValueError(f"tokenizer_model file {self.tokenizer_model} does not exist.")
+        if kind == "NullTokenizer" and (self.vocab_size is None or int(self.vocab_size) < 1):
+            raise ValueError("NullTokenizer needs vocab_size, a positive integer.")
+        if kind == "GPT2BPETokenizer":
+            for flag, path in (("--vocab-file", self.vocab_file), ("--merge-file", self.merge_file)):
+                if not path or not os.path.isfile(path):
+                    raise ValueError(f"GPT2BPETokenizer needs {flag}, a local file "
+                                     f"({'not given' if not path else path + ' does not exist'}).")
+        if kind == "TikTokenizer":
+            self._check_tiktoken()
+
+    def _check_tiktoken(self) -> None:
+        """megatron-core's TikTokenTokenizer asserts these; say which flag breaks them."""
+        if not self.tokenizer_model.endswith(".json"):
+            raise ValueError(f"TikTokenizer reads a .json vocabulary, not {self.tokenizer_model}.")
+        special = self.special_tokens or list(TIKTOKEN_REQUIRED_SPECIAL)
+        vocab = self.vocab_size or TIKTOKEN_DEFAULT_VOCAB_SIZE
+        missing = [t for t in TIKTOKEN_REQUIRED_SPECIAL if t not in special]
+        if missing or len(set(special)) != len(special):
+            raise ValueError(f"--tokenizer-special-tokens must hold {' '.join(TIKTOKEN_REQUIRED_SPECIAL)} once each"
+                             + (f" (missing {' '.join(missing)})." if missing else " (a token repeats)."))
+        if not len(special) <= self.tiktoken_num_special_tokens < vocab:
+            raise ValueError(f"--tiktoken-num-special-tokens ({self.tiktoken_num_special_tokens}) must be at least "
+                             f"the {len(special)} special tokens and below --vocab-size ({vocab}).")
+
+
+def check_tokenizer_args(
+    tokenizer_type: str | None, tokenizer_model: str | None, vocab_size: int | None, **options
+) -> None:
+    """Raise ValueError with one sentence if these arguments cannot build a tokenizer."""
+    TokenizerConfig(tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size,
+                    **options).check_tokenizer()
+
+
+@dataclass(kw_only=True)
+class DataConfig(TokenizerConfig):
+    """Where training text comes from, how it is tokenized and how samples are cut from it."""
 
     data_path: list[str] | None = option(
         None, help="Megatron blend: PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ...; prefixes name .bin/.idx pairs")
@@ -170,13 +227,16 @@ class DataConfig:
     reset_position_ids: bool = option(False, help="restart position ids after each end-of-document token")
     reset_attention_mask: bool = option(False, help="documents in a sample do not attend to each other")
     eod_mask_loss: bool = option(False, help="no loss on end-of-document tokens")
+    create_attention_mask_in_dataloader: bool = option(
+        True, flag="--no-create-attention-mask-in-dataloader", inverted=True,
+        help="no [s, s] attention mask from the data loader: --reset-attention-mask is then turned off with a "
+             "warning, as megatron-core's dataset ignores it without one (the model's causal mask is unchanged)")
+    mmap_bin_files: bool = option(True, flag="--no-mmap-bin-files", inverted=True,
+                                  help="read the .bin files with file reads instead of memory maps "
+                                       "(megatron-core's mmap_bin_files)")
     create_attention_mask: bool = True
     """Materialise the [1, s, s] mask per sample; only needed with --reset-attention-mask (the
-    model applies the causal mask itself)."""
-    tokenizer_type: str = option("ByteLevelTokenizer", help="ByteLevelTokenizer, HuggingFaceTokenizer, "
-                                                             "SentencePieceTokenizer or NullTokenizer")
-    tokenizer_model: str | None = option(None, help="local tokenizer.json or SentencePiece model")
-    vocab_size: int | None = option(None, help="vocabulary size (NullTokenizer)")
+    model applies the causal mask itself). Derived (PretrainConfig.with_derived_defaults)."""
 
     def validate(self) -> None:
         """Raise ValueError with one sentence for the first bad value or bad data file."""
@@ -190,7 +250,7 @@ class DataConfig:
             raise ValueError(f"split {self.split!r} must be up to three numbers like '969,30,1'.")
         if sum(float(x) for x in re.split(r"[,/]", self.split)) <= 0:
             raise ValueError(f"split {self.split!r} must have a positive total.")
-        check_tokenizer_args(self.tokenizer_type, self.tokenizer_model, self.vocab_size)
+        self.check_tokenizer()
         if self.data_cache_path is not None and os.path.exists(self.data_cache_path):
             if not os.path.isdir(self.data_cache_path):
                 raise ValueError(f"data_cache_path {self.data_cache_path} exists and is not a directory.")

@@ -49,6 +49,7 @@ def build_gpt_dataset_config(cfg: DataConfig, tokenizer: Tokenizer) -> GPTDatase
         blend=None if cfg.mock_data else parse_blend(cfg.data_path or []),
         split=cfg.split,
         path_to_cache=cfg.data_cache_path,
+        mmap_bin_files=cfg.mmap_bin_files,
         tokenizer=tokenizer,
         reset_position_ids=cfg.reset_position_ids,
         reset_attention_mask=cfg.reset_attention_mask,

@@ -3,21 +3,16 @@
 Every tokenizer here exposes ``vocab_size``, ``eod``, ``tokenize(text) -> list[int]`` and
 ``detokenize(ids) -> str``, plus the ``unique_identifiers`` mapping that megatron-core hashes
 into its dataset cache keys. Nothing here downloads anything: models are local files, and the
-optional ``tokenizers`` / ``sentencepiece`` packages are imported only when used.
+optional ``tokenizers`` / ``sentencepiece`` / ``tiktoken`` packages are imported only when used.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from abc import abstractmethod
-from collections import OrderedDict
 from typing import Any, Iterable, Sequence
 
-from megatron_weipipe.data.config import TOKENIZER_TYPES, check_tokenizer_args
-from megatron_weipipe.mcore_versions import tokenizer_base
-
-_MegatronBase = tokenizer_base()
+from megatron_weipipe.data.bpe_tokenizers import GPT2BPETokenizer, TikTokenizer
+from megatron_weipipe.data.config import TOKENIZER_TYPES, TokenizerConfig, check_tokenizer_args
+from megatron_weipipe.data.tokenizer_base import Tokenizer, as_int_list
 
 # Names tried, in order, for the end-of-document token of a tokenizer.json.
 EOD_TOKEN_CANDIDATES = (
@@ -30,62 +25,6 @@ EOD_TOKEN_CANDIDATES = (
     "<eod>",
     "[EOD]",
 )
-
-
-class Tokenizer(_MegatronBase):
-    """Common base: megatron-core's abstract tokenizer plus what our data layer relies on.
-
-    The megatron-core base constructor is not called on purpose: in 0.16 it only fills
-    ``unique_identifiers`` and logs a deprecation warning on every construction.
-    """
-
-    def __init__(self, *paths: str, **options: Any) -> None:
-        self.unique_identifiers: OrderedDict[str, Any] = OrderedDict()
-        self.unique_identifiers["class"] = type(self).__name__
-        self.unique_identifiers["tokenizer_path"] = [os.path.abspath(p) for p in paths]
-        for key, value in options.items():
-            self.unique_identifiers[key] = str(value)
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
-
-    @abstractmethod
-    def tokenize(self, text: str) -> list[int]:
-        """Text to token ids."""
-
-    @abstractmethod
-    def detokenize(self, ids: Iterable[int]) -> str:
-        """Token ids to text; special tokens are dropped."""
-
-    @property
-    @abstractmethod
-    def vocab_size(self) -> int:
-        """Number of token ids (largest id + 1)."""
-
-    @property
-    @abstractmethod
-    def eod(self) -> int:
-        """End-of-document id, appended between documents and used for loss/attention resets."""
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        raise NotImplementedError(f"{type(self).__name__} has no vocab mapping")
-
-    def apply_chat_template(self, *args, **kwargs):
-        """Pretraining tokenizers carry no chat template (megatron-core >= 0.17's base asks for one)."""
-        raise NotImplementedError(f"{type(self).__name__} has no chat template")
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return {i: t for t, i in self.vocab.items()}
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
-
-
-def _as_int_list(ids: Iterable[int]) -> list[int]:
-    # Accepts lists, numpy arrays and torch tensors alike.
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()  # type: ignore[union-attr]
-    return [int(i) for i in ids]
 
 
 class ByteLevelTokenizer(Tokenizer):
@@ -104,7 +43,7 @@ class ByteLevelTokenizer(Tokenizer):
         return list(text.encode("utf-8"))
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        data = bytes(i for i in _as_int_list(ids) if 0 <= i < self.NUM_BYTES)
+        data = bytes(i for i in as_int_list(ids) if 0 <= i < self.NUM_BYTES)
         # A window cut mid-character must still decode; whole documents decode exactly.
         return data.decode("utf-8", errors="replace")
 
@@ -161,7 +100,7 @@ class NullTokenizer(Tokenizer):
         return ids
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return " ".join(str(i) for i in _as_int_list(ids))
+        return " ".join(str(i) for i in as_int_list(ids))
 
     @property
     def vocab_size(self) -> int:
@@ -208,7 +147,7 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return self._tok.decode(_as_int_list(ids), skip_special_tokens=True)
+        return self._tok.decode(as_int_list(ids), skip_special_tokens=True)
 
     @property
     def vocab_size(self) -> int:
@@ -263,7 +202,7 @@ class SentencePieceTokenizer(Tokenizer):
         return list(self._sp.encode(text))
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return self._sp.decode(_as_int_list(ids))
+        return self._sp.decode(as_int_list(ids))
 
     @property
     def vocab_size(self) -> int:
@@ -299,17 +238,26 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
+    tokenizer_type: str | TokenizerConfig, tokenizer_model: str | None = None, vocab_size: int | None = None
 ) -> Tokenizer:
-    """Build a tokenizer by its Megatron-style type name from local files only."""
-    check_tokenizer_args(tokenizer_type, tokenizer_model, vocab_size)
-    if tokenizer_type == "ByteLevelTokenizer":
+    """Build a tokenizer by its Megatron-LM type name from local files only: from the flags of a
+    ``TokenizerConfig`` (a ``DataConfig`` is one), or from a type name, model file and vocabulary size."""
+    cfg = tokenizer_type if isinstance(tokenizer_type, TokenizerConfig) else TokenizerConfig(
+        tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+    cfg.check_tokenizer()
+    kind = cfg.tokenizer_type
+    if kind == "ByteLevelTokenizer":
         return ByteLevelTokenizer()
-    if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(int(vocab_size))  # type: ignore[arg-type]
-    if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(tokenizer_model)  # type: ignore[arg-type]
-    return SentencePieceTokenizer(tokenizer_model)  # type: ignore[arg-type]
+    if kind == "NullTokenizer":
+        return NullTokenizer(int(cfg.vocab_size))  # type: ignore[arg-type]
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(cfg.tokenizer_model)  # type: ignore[arg-type]
+    if kind == "TikTokenizer":
+        return TikTokenizer(cfg.tokenizer_model, cfg.tiktoken_pattern, cfg.vocab_size,  # type: ignore[arg-type]
+                            cfg.tiktoken_num_special_tokens, cfg.special_tokens)
+    if kind == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)  # type: ignore[arg-type]
+    return SentencePieceTokenizer(cfg.tokenizer_model)  # type: ignore[arg-type]
 
 
 __all__: Sequence[str] = (
@@ -319,6 +267,8 @@ __all__: Sequence[str] = (
     "NullTokenizer",
     "HuggingFaceTokenizer",
     "SentencePieceTokenizer",
+    "TikTokenizer",
+    "GPT2BPETokenizer",
     "build_tokenizer",
     "check_tokenizer_args",
 )

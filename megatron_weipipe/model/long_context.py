@@ -73,7 +73,7 @@ def build_settings(cfg: PretrainConfig) -> LongContextSettings:
     if cfg.data.reset_attention_mask:
         from megatron_weipipe.data.tokenizers import build_tokenizer
 
-        eod = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size).eod
+        eod = build_tokenizer(cfg.data).eod
     return LongContextSettings(
         cp_group=ps.get_context_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group() if cfg.parallel.tensor_model_parallel_size > 1 else None,

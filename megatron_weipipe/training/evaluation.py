@@ -45,4 +45,7 @@ def run_validation(run: TrainingRun, state: TrainState) -> None:
         f"{bar}\n validation loss at iteration {state.iteration} | lm loss value: {value:.6E} | "
         f"lm loss PPL: {ppl:.6E} | \n{bar}"
     )
-    run.tensorboard.scalars(state.iteration, {"lm-loss-validation": value})
+    scalars = {"lm-loss-validation": value}
+    if run.cfg.logging.log_validation_ppl_to_tensorboard:
+        scalars["lm-loss-validation-ppl"] = ppl
+    run.writers.scalars(state.iteration, scalars)

@@ -1,4 +1,4 @@
-"""The per-interval training log line, its ``on_log`` hook and TensorBoard scalars."""
+"""The per-interval training log line, its ``on_log`` hook and its scalars (TensorBoard, W&B)."""
 
 from __future__ import annotations
 
@@ -68,13 +68,13 @@ def log_iteration(run: TrainingRun, state: TrainState, outcome: StepOutcome, win
     if run.hooks.on_log is not None:
         run.hooks.on_log(stats)
     print_rank_0(training_log_line(**stats))
-    run.tensorboard.scalars(state.iteration, tensorboard_scalars(run, stats, outcome, window, per_iter))
+    run.writers.scalars(state.iteration, tensorboard_scalars(run, stats, outcome, window, per_iter))
     window.restart()
 
 
 def tensorboard_scalars(run: TrainingRun, stats: dict, outcome: StepOutcome, window: LogWindow,
                         per_iter: float) -> dict[str, float]:
-    """The scalars of one log line, under Megatron-LM's TensorBoard names."""
+    """The scalars of one log line, under Megatron-LM's TensorBoard (and W&B) names."""
     log = run.cfg.logging
     scalars = {"lm-loss": outcome.loss, "learning-rate": stats["lr"], "grad-norm": window.last_grad_norm or 0.0}
     if stats["num_zeros"] is not None:

@@ -15,7 +15,7 @@ from megatron_weipipe.training.checkpoint.async_saves import AsyncSaves
 from megatron_weipipe.training.batch_size import BatchSizes
 from megatron_weipipe.training.exit_signal import ExitSignal
 from megatron_weipipe.training.housekeeping import Housekeeping
-from megatron_weipipe.training.metrics import TensorBoardWriter
+from megatron_weipipe.training.writers import ScalarWriters
 
 
 @dataclass
@@ -60,7 +60,7 @@ class TrainingRun:
     batch_sizes: BatchSizes  # megatron-core's microbatch calculator: this iteration's global batch
     train_iters: int  # the run's optimizer steps (PretrainConfig.train_iters)
     flops_per_sample: float
-    tensorboard: TensorBoardWriter
+    writers: ScalarWriters  # TensorBoard and W&B (last rank)
     exit_signal: ExitSignal
     start_time: float  # time.time() when pretrain() was entered
     housekeeping: Housekeeping  # param-gather hooks, manual GC, empty_cache (housekeeping.py)

@@ -88,28 +88,3 @@ def memory_scalars(platform) -> dict[str, float]:
         return {name: float(stats.get(key, 0)) for name, key in keys.items()}
     gb, _ = platform.peak_memory_gb()
     return {"mem-peak-rss-bytes": gb * 1e9}
-
-
-class TensorBoardWriter:
-    """Writes scalars when --tensorboard-dir is given and tensorboard is importable."""
-
-    def __init__(self, log_dir: str | None, enabled: bool):
-        self.writer = None
-        if log_dir and enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(log_dir=log_dir)
-            except Exception as e:  # tensorboard not installed
-                print(f"WARNING: --tensorboard-dir given but TensorBoard is unavailable ({e})", flush=True)
-
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.writer is None:
-            return
-        for k, v in values.items():
-            self.writer.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()

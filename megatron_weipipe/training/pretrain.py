@@ -18,6 +18,7 @@ from megatron_weipipe.initialize import initialize_distributed
 from megatron_weipipe import faults
 from megatron_weipipe.schedules.gpt.base import ForwardStep, TrainSchedule
 from megatron_weipipe.training.checkpoint.checkpointing import CheckpointError
+from megatron_weipipe.training.console import set_logging_level
 from megatron_weipipe.training.exit_signal import ExitSignal
 from megatron_weipipe.training.loop import train
 from megatron_weipipe.training.loop_state import TrainingHooks, TrainState
@@ -48,6 +49,7 @@ def pretrain(
     prints the same error) attributes; peers are told through the watchdog and exit.
     """
     start_time = time.time()
+    set_logging_level(cfg.logging.logging_level)
     faults.configure()
     exit_signal = ExitSignal(cfg.training.exit_signal_handler)
     install_child_process_guards()
@@ -60,7 +62,7 @@ def pretrain(
         try:
             train(run, state)
         finally:
-            run.tensorboard.close()
+            run.writers.close()
         if watchdog is not None:
             watchdog.stop()
             dist.barrier()  # no rank may take the store down while a peer's watchdog still polls it

@@ -24,13 +24,14 @@ from megatron_weipipe.training.console import print_rank_0
 from megatron_weipipe.training.exit_signal import ExitSignal
 from megatron_weipipe.training.housekeeping import Housekeeping
 from megatron_weipipe.training.loop_state import TrainingHooks, TrainingRun, TrainState
-from megatron_weipipe.training.metrics import TensorBoardWriter, model_flops_per_sample
+from megatron_weipipe.training.metrics import model_flops_per_sample
 from megatron_weipipe.training.optimizer import build_optimizer, build_scheduler
+from megatron_weipipe.training.writers import build_writers
 
 
 def set_up_run(cfg: PretrainConfig, ctx: RunContext, hooks: TrainingHooks, exit_signal: ExitSignal,
                start_time: float) -> tuple[TrainingRun, TrainState]:
-    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model, cfg.data.vocab_size)
+    tokenizer = build_tokenizer(cfg.data)
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ctx.groups.tp_size)
     schedule: TrainSchedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
     model_chunks = _build_model(cfg, ctx, schedule, hooks, vocab)
@@ -48,7 +49,7 @@ def set_up_run(cfg: PretrainConfig, ctx: RunContext, hooks: TrainingHooks, exit_
         cfg=cfg, ctx=ctx, hooks=hooks, schedule=schedule, model_chunks=model_chunks,
         optimizer=optimizer, scheduler=scheduler, train_iter=train_iter, valid_iter=valid_iter,
         batch_sizes=batches, train_iters=cfg.train_iters, flops_per_sample=model_flops_per_sample(cfg, vocab),
-        tensorboard=TensorBoardWriter(cfg.logging.tensorboard_dir, dist.get_rank() == dist.get_world_size() - 1),
+        writers=build_writers(cfg, dist.get_rank(), dist.get_world_size()),
         exit_signal=exit_signal, start_time=start_time,
         housekeeping=Housekeeping(cfg.training, schedule.param_gather, ctx.platform),
         async_saves=AsyncSaves() if cfg.checkpoint.async_save and cfg.checkpoint.save else None,
