@@ -14,15 +14,11 @@ import os
 from typing import Optional, Sequence
 
 from megatron_weipipe.errors import launcher_rank
-from megatron_weipipe.config import (
-    CheckpointConfig,
-    ConfigError,
-    LoggingConfig,
-    ModelConfig,
-    ParallelConfig,
-    PretrainConfig,
-    TrainingConfig,
-)
+from megatron_weipipe.checkpoint_config import CheckpointConfig
+from megatron_weipipe.config import ConfigError, PretrainConfig, TrainingConfig
+from megatron_weipipe.logging_config import LoggingConfig
+from megatron_weipipe.model_config import ModelConfig
+from megatron_weipipe.parallel_config import ParallelConfig
 from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.flags import FlagParser, add_flags, from_args
 from megatron_weipipe.fp8_config import FP8Config

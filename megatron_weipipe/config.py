@@ -13,11 +13,13 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from megatron_weipipe import batch_sizes
+from megatron_weipipe.checkpoint_config import CheckpointConfig
 from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.errors import ConfigError, require
 from megatron_weipipe.flags import option
 from megatron_weipipe.fp8_config import FP8Config
 from megatron_weipipe.fpdt.config import FPDTConfig
+from megatron_weipipe.logging_config import LoggingConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
 from megatron_weipipe.model_config import ModelConfig
 from megatron_weipipe.parallel_config import ParallelConfig
@@ -232,90 +234,6 @@ class TrainingConfig:
     def compute_bytes(self) -> int:
         """Bytes per element of weights and activations in the compute dtype."""
         return 2 if (self.bf16 or self.fp16) else 4
-
-
-@dataclass
-class CheckpointConfig:
-    save: Optional[str] = option(None, help="directory to save checkpoints to")
-    load: Optional[str] = option(None, help="directory to resume from")
-    save_interval: Optional[int] = option(None, help="steps between checkpoints")
-    no_load_optim: bool = option(False, help="do not load the optimizer state")
-    no_load_rng: bool = option(False, help="do not load the RNG state")
-    finetune: bool = option(False, help="load weights only and start at step 0")
-    ckpt_format: str = option("torch_dist", help="torch_dist (megatron-core dist_checkpointing)")
-    dist_ckpt_optim_fully_reshardable: bool = option(
-        False, help="save the distributed optimizer's state in parameter shapes (fully_reshardable): it then loads "
-                    "under other TP/PP/CP layouts and schedules and without --use-distributed-optimizer; the "
-                    "default (dp_reshardable) reshards only across data-parallel ranks")
-    async_save: bool = option(
-        False, help="write checkpoints in the background (megatron-core's asynchronous dist_checkpointing): "
-                    "training goes on while a forked writer saves; the tracker moves to a checkpoint only "
-                    "once every rank has written it, and the next save and every exit wait for it")
-    ckpt_fully_parallel_load: bool = option(
-        False, help="torch_dist loads: each replicated shard is read by one rank of the data x context "
-                    "parallel group and sent to the others (megatron-core's FullyParallelLoadStrategyWrapper)")
-
-    def validate(self) -> None:
-        require(self.ckpt_format == "torch_dist", "--ckpt-format must be torch_dist")
-        require(self.save_interval is None or self.save_interval > 0, "--save-interval must be positive")
-        require(self.save_interval is None or self.save is not None, "--save-interval needs --save DIR")
-
-
-@dataclass
-class LoggingConfig:
-    log_interval: int = option(100, help="steps between log lines")
-    tensorboard_dir: Optional[str] = option(None, help="write TensorBoard scalars here")
-    log_throughput: bool = option(True, help="log tokens/s and TFLOP/s (always on)")
-    timing_log_level: int = option(0, help="accepted for Megatron compatibility")
-    schedule_trace: Optional[str] = option(
-        None, help="write per-rank Chrome trace JSON of every schedule action here (rank{N}.json)")
-    log_params_norm: bool = option(False, help="log the L2 norm of all parameters at each log line "
-                                   "(params norm:, TensorBoard params-norm)")
-    log_num_zeros_in_grad: bool = option(False, help="log the number of zero gradient entries at each log "
-                                         "line (num zeros:, TensorBoard num-zeros)")
-    log_memory_to_tensorboard: bool = option(False, help="write memory figures to TensorBoard (CUDA: "
-                                             "mem-reserved/allocated/max-allocated-bytes, mem-allocated-count; "
-                                             "CPU: mem-peak-rss-bytes)")
-    log_timers_to_tensorboard: bool = option(False, help="write iteration-time (s) and throughput "
-                                             "(TFLOP/s/GPU) to TensorBoard")
-    profile: bool = option(False, help="profile the iterations from --profile-step-start to --profile-step-end: "
-                           "torch.profiler with --use-pytorch-profiler, else cudaProfilerStart/Stop for nsys "
-                           "--capture-range=cudaProfilerApi (a notice on a CPU host)")
-    use_pytorch_profiler: bool = option(False, help="--profile with torch.profiler; the Chrome trace goes to "
-                                        "<--tensorboard-dir>/../torch_profile/rank-N.json.gz")
-    profile_step_start: int = option(10, help="the iteration --profile starts at")
-    profile_step_end: int = option(12, help="the iteration --profile stops at")
-    profile_ranks: list[int] = option(help="the global ranks --profile profiles (none given: all)",
-                                      default_factory=list)
-    log_validation_ppl_to_tensorboard: bool = option(False, help="write the validation perplexity "
-                                                     "(lm-loss-validation-ppl) next to the validation loss")
-    wandb_project: Optional[str] = option(None, help="log the TensorBoard scalars to this Weights & Biases project "
-                                          "too, from the last rank, the run's flags as its config (needs wandb)")
-    wandb_exp_name: Optional[str] = option(None, help="the W&B run's name (default: W&B picks one)")
-    wandb_save_dir: Optional[str] = option(None, help="where W&B writes its run files (default: <--save>/wandb, "
-                                           "without --save W&B's own ./wandb)")
-    wandb_entity: Optional[str] = option(None, help="the W&B entity (team or user) the project belongs to")
-    logging_level: Optional[int] = option(None, help="the Python logging level of the run (10 DEBUG, 20 INFO, "
-                                          "30 WARNING, 40 ERROR); default: MEGATRON_LOGGING_LEVEL, else unchanged")
-
-    def validate(self) -> None:
-        require(self.log_interval > 0, "--log-interval must be positive")
-        if self.schedule_trace is not None:
-            import os.path
-
-            require(self.schedule_trace != "" and not os.path.isfile(self.schedule_trace),
-                    f"--schedule-trace must name a directory, not {self.schedule_trace!r}")
-        if self.profile:
-            require(0 <= self.profile_step_start < self.profile_step_end,
-                    "--profile needs 0 <= --profile-step-start < --profile-step-end")
-            require(not self.use_pytorch_profiler or self.tensorboard_dir is not None,
-                    "--use-pytorch-profiler writes its trace next to --tensorboard-dir; give --tensorboard-dir")
-        if self.wandb_project:  # an empty project is off, as in Megatron-LM
-            import importlib.util
-
-            require(self.wandb_exp_name != "", "--wandb-exp-name must not be empty (as in Megatron-LM)")
-            require(importlib.util.find_spec("wandb") is not None,
-                    "--wandb-project needs the 'wandb' package: pip install wandb (or megatron-weipipe[wandb])")
 
 
 @dataclass

@@ -124,7 +124,7 @@ def test_params_norm_and_num_zeros_under_weipipe_and_fsdp2_equal_one_process(sin
 
 
 def test_nsight_profile_on_a_cpu_host_is_a_notice(capsys):
-    from megatron_weipipe.config import LoggingConfig
+    from megatron_weipipe.logging_config import LoggingConfig
     from megatron_weipipe.platform import Platform
     from megatron_weipipe.training.profiling import StepProfiler
 

@@ -117,7 +117,7 @@ def test_logging_level_lets_info_records_through(runs):
 def test_wandb_writer_defaults_to_the_save_dir_and_passes_the_entity(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from megatron_weipipe.config import LoggingConfig
+    from megatron_weipipe.logging_config import LoggingConfig
     from megatron_weipipe.training.writers import WandbWriter
 
     seen = {}

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_weipipe.config import LoggingConfig
+from megatron_weipipe.logging_config import LoggingConfig
 from megatron_weipipe.platform import Platform
 from megatron_weipipe.training.console import print_rank_0
 

@@ -13,7 +13,8 @@ import dataclasses
 import os
 from typing import Iterable, Optional, Protocol
 
-from megatron_weipipe.config import LoggingConfig, PretrainConfig
+from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.logging_config import LoggingConfig
 
 
 class ScalarWriter(Protocol):
