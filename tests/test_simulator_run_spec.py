@@ -9,7 +9,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from megatron_weipipe import checkpoint_config, logging_config
+from megatron_weipipe import batch_sizes, checkpoint_config, logging_config
 from megatron_weipipe import config as config_module
 from megatron_weipipe import fp8_config
 from megatron_weipipe import megatron_compat
@@ -29,8 +29,7 @@ from megatron_weipipe.simulator.run_spec import RunSpec, spec_from_config, spec_
 # simulator: it runs check_config with check_data=False).
 SECTIONS = ("model", "parallel", "training", "fpdt", "fp8", "checkpoint", "logging", "megatron")
 RULE_SOURCES = (config_module, model_config, parallel_config, checkpoint_config, logging_config, fpdt_config, fp8_config,
-                rules, megatron_compat,
-                ModelShape.validate)
+                batch_sizes, rules, megatron_compat, ModelShape.validate)
 
 # A value other than the default for the fields whose type says too little, with the
 # changes it needs to mean something (a layout with virtual stages needs its schedule).
