@@ -73,7 +73,7 @@ class FP8Config:
             return None
         need = MIN_CAPABILITY[self.fp8_recipe]
         if not transformer_engine:
-            return (f"--fp8-format needs Transformer Engine layers on a GPU (FP8 GEMMs are TE's); this host builds "
+            return ("--fp8-format needs Transformer Engine layers on a GPU (FP8 GEMMs are TE's); this host builds "
                     f"megatron-core's local layers")
         if tuple(capability) < need:
             return (f"--fp8-format with --fp8-recipe {self.fp8_recipe} needs a GPU of compute capability "

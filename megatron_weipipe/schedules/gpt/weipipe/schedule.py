@@ -105,7 +105,7 @@ class WeiPipeSchedule(TrainSchedule):
             # --offload-layer-inputs: the chunk inputs kept for recomputation wait on the host
             offload=getattr(model.decoder, "layer_input_store", None),
             # selective recomputation runs the template's modules again inside a backward
-            rebind=selective,
+            rebind=self.cfg.model.recompute_granularity == "selective",
         )
         return self.runtimes[G]
 
