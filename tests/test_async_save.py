@@ -41,7 +41,7 @@ FORMATS = {
 # their async checkpoints equal the synchronous ones bitwise, which resume elsewhere
 # (tests/test_checkpoint_resharding.py).
 RESUMED = ("plain", "fsdp2")
-SMALL = dict(num_layers=2, global_batch_size=4, train_iters=4, save_interval=2)
+SMALL = dict(num_layers=2, global_batch_size=4, train_iters=4, lr_decay_iters=4, save_interval=2)  # one schedule for every run
 
 
 def _train(rank, world_size, argv, release=None, hold_at=None):

@@ -16,7 +16,8 @@ _CHECKPOINT_CODE = ("torch/distributed/checkpoint", "megatron/core/dist_checkpoi
 
 
 def _fresh_then_resumed(rank, world_size, ckpt_dir):
-    common = dict(pipeline_model_parallel_size=world_size, hidden_dropout=0.1, save=ckpt_dir, save_interval=2)
+    common = dict(pipeline_model_parallel_size=world_size, hidden_dropout=0.1, save=ckpt_dir, save_interval=2,
+                  lr_decay_iters=4)  # one schedule for the fresh and the resumed run
     notices = []
     for argv in (tiny_gpt_args(**common, train_iters=2), tiny_gpt_args(**common, train_iters=4, load=ckpt_dir)):
         with warnings.catch_warnings(record=True) as caught:

@@ -66,7 +66,11 @@ def _world_and_flags(argv: list[str]) -> tuple[int, list[str]]:
     launcher, flags = argv[:at], argv[at + 1:]
 
     def value(name, default):
-        return int(launcher[launcher.index(name) + 1]) if name in launcher else default
+        """torchrun takes both spellings (Megatron-LM's scripts write --nproc_per_node)."""
+        for spelling in (name, "--" + name[2:].replace("-", "_")):
+            if spelling in launcher:
+                return int(launcher[launcher.index(spelling) + 1])
+        return default
 
     world = value("--nnodes", 1) * value("--nproc-per-node", 1)
     kept, skip = [], False

@@ -12,6 +12,10 @@ from harness.runs import merge_ranks, tiny_gpt_args, train_many
 from harness.state import max_relative_difference
 
 RTOL = 1e-6
+# Tensor parallelism splits the GEMMs' inner sums and adds the partial sums across ranks, so
+# its rounding depends on the host's GEMM kernels: 2.4e-6 after three Adam steps on an AVX2
+# (no AVX-512) host, within 1e-6 on others.
+TP_RTOL = 5e-6
 
 
 # These tests compare parallel layouts, so every run (the reference too) uses megatron-core's
@@ -62,16 +66,16 @@ def world4_runs():
     return {name: merge_ranks(per_rank, i) for i, name in enumerate(LAYOUTS_4)}
 
 
-def _check(run, reference):
+def _check(run, reference, rtol=RTOL):
     ref_losses = np.array(reference["losses"])
     assert len(run["losses"]) == len(ref_losses) == 3
     for losses in run["loss_sets"]:  # every rank logs the same loss
-        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=0)
+        np.testing.assert_allclose(losses, ref_losses, rtol=rtol, atol=0)
     for it, ref_grads in reference["grads"].items():
         rel, where = max_relative_difference(run["grads"][it], ref_grads)
-        assert rel < RTOL, f"iteration {it}: gradient of {where} differs by {rel:.2e}"
+        assert rel < rtol, f"iteration {it}: gradient of {where} differs by {rel:.2e}"
     rel, where = max_relative_difference(run["params"], reference["params"])
-    assert rel < RTOL, f"parameter {where} differs by {rel:.2e} after 3 steps"
+    assert rel < rtol, f"parameter {where} differs by {rel:.2e} after 3 steps"
 
 
 def test_reference_trains(reference):
@@ -81,12 +85,12 @@ def test_reference_trains(reference):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_world2_layout_matches_reference(layout, world2_runs, reference):
-    _check(world2_runs[layout], reference)
+    _check(world2_runs[layout], reference, TP_RTOL if "tp" in layout else RTOL)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_world4_layout_matches_reference(layout, world4_runs, reference):
-    _check(world4_runs[layout], reference)
+    _check(world4_runs[layout], reference, TP_RTOL if "tp" in layout else RTOL)
 
 
 def test_comparison_detects_a_changed_seed(reference):

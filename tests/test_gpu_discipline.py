@@ -76,8 +76,10 @@ def _schedule_runs() -> dict[str, dict]:
 def _runs(ckpt: str) -> dict[str, dict]:
     runs = _schedule_runs()
     runs.update({
-        "1f1b-save": dict(pipeline_model_parallel_size=2, save=f"{ckpt}/pp", save_interval=2, train_iters=2),
-        "1f1b-resume": dict(pipeline_model_parallel_size=2, load=f"{ckpt}/pp", train_iters=2 + ITERATIONS),
+        "1f1b-save": dict(pipeline_model_parallel_size=2, save=f"{ckpt}/pp", save_interval=2, train_iters=2,
+                          lr_decay_iters=2 + ITERATIONS),  # one schedule for the save and the resume
+        "1f1b-resume": dict(pipeline_model_parallel_size=2, load=f"{ckpt}/pp", train_iters=2 + ITERATIONS,
+                            lr_decay_iters=2 + ITERATIONS),
         "distributed-optimizer": dict(use_distributed_optimizer=True, save=f"{ckpt}/do", save_interval=2),
         "fsdp2": dict(use_torch_fsdp2=True, untie_embeddings_and_output_weights=True, save=f"{ckpt}/fsdp",
                       save_interval=2, **EVAL),

@@ -119,7 +119,10 @@ def test_params_norm_and_num_zeros_under_weipipe_and_fsdp2_equal_one_process(sin
     for name, runs in zip(TWO_RANKS, zip(*per_rank)):
         for rank_logs in runs:
             got = [(l["params_norm"], l["num_zeros"]) for l in rank_logs]
-            want = [(pytest.approx(l["params_norm"], rel=1e-5), l["num_zeros"]) for l in logs]
+            # the zeros are the unused vocabulary's rows; a ring sums a gradient in another order,
+            # which can round one element more or less to exactly zero (15105 against 15104)
+            want = [(pytest.approx(l["params_norm"], rel=1e-5), pytest.approx(l["num_zeros"], abs=2))
+                    for l in logs]
             assert got == want, name
 
 

@@ -24,6 +24,7 @@ from megatron_weipipe.model.init import init_kind
 from megatron_weipipe.model.norms import ZeroCenteredNorm
 
 RTOL = 1e-6
+TP_RTOL = 5e-6  # see tests/test_foundation_parity.py
 # as tests/test_foundation_parity.py: TP-split-independent attention, Adam eps above rounding noise
 BASE = dict(make_vocab_size_divisible_by=512, attention_backend="unfused", adam_eps=1e-6)
 ONE_P_QK = dict(apply_layernorm_1p=True, qk_layernorm=True, normalization="RMSNorm")
@@ -195,7 +196,9 @@ def test_1p_with_qk_norms_matches_one_process(layout, world1, world2):
     _, (_, _, reference) = world1
     assert len([k for k in reference["params"] if "q_layernorm" in k or "k_layernorm" in k]) == 2 * 4
     run = world2[0 if layout == "tp2" else 1]
-    rtol = RTOL if layout == "tp2" else 1e-5  # the WeiPipe parity tests' tolerance
+    # TP=2's tolerance is test_foundation_parity's (rounding of the split GEMMs); 1e-5 is the
+    # WeiPipe parity tests'
+    rtol = TP_RTOL if layout == "tp2" else 1e-5
     for losses in run["loss_sets"]:
         np.testing.assert_allclose(losses, reference["losses"], rtol=rtol, atol=0)
     for it, grads in reference["grads"].items():

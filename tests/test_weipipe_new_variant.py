@@ -9,7 +9,6 @@ lookup, and pretrain() trains the GPT model with it exactly, with no other chang
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
@@ -83,10 +82,10 @@ def test_variant_start_up_rules_and_training_class(variant):
     from megatron_weipipe.config import ConfigError
     from megatron_weipipe.schedules.gpt.weipipe import WeiPipeSchedule
 
+    from test_weipipe_registry import _cfg
+
     def cfg(pp):
-        return SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=pp,
-                                                        num_layers_per_virtual_pipeline_stage=None,
-                                                        pipeline_schedule=variant), num_microbatches=4)
+        return _cfg(pp=pp, schedule=variant)
 
     registry.check_config(cfg(2))
     with pytest.raises(ConfigError, match=f"--pipeline-schedule {variant} needs --pipeline-model-parallel-size >= 2"):

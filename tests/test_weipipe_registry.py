@@ -4,11 +4,10 @@ names derives from it, and each name leads to its training class."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
-
 import pytest
 
 from megatron_weipipe.schedules import registry
@@ -17,16 +16,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cfg(pp=1, vpp=None, microbatches=4, schedule=None):
-    """The attributes the rules read, without building a PretrainConfig."""
-    parallel = SimpleNamespace(pipeline_model_parallel_size=pp, num_layers_per_virtual_pipeline_stage=vpp,
-                               pipeline_schedule=schedule)
-    return SimpleNamespace(parallel=parallel, num_microbatches=microbatches)
+    """The attributes the rules read, without building a PretrainConfig (no batch-size
+    schedule, no --overlap-param-gather, no megatron-core context parallelism, no FP8)."""
+    from types import SimpleNamespace as N
+
+    parallel = N(pipeline_model_parallel_size=pp, num_layers_per_virtual_pipeline_stage=vpp,
+                 pipeline_schedule=schedule, overlap_param_gather=False, megatron_context_parallel=False)
+    return N(parallel=parallel, num_microbatches=microbatches, fp8=N(enabled=False), data_parallel_size=1,
+             training=N(micro_batch_size=1, rampup_batch_size=None), batch_size_changes=lambda: [])
 
 
 def test_registry_plan_and_rules_import_without_torch():
-    code = (
+    code = inspect.getsource(_cfg) + (
         "import sys\n"
-        "from types import SimpleNamespace as N\n"
         "from megatron_weipipe.schedules import registry\n"
         "import megatron_weipipe.schedules.check.rules\n"
         "from megatron_weipipe.schedules.generate.megatron_timeline import build\n"
@@ -35,8 +37,7 @@ def test_registry_plan_and_rules_import_without_torch():
         "for name in registry.plan_names():\n"
         "    validate(build(name, 2, 2)); simulate(build(name, 2, 2))\n"
         "for pp, vpp, name in [(1, None, None), (2, None, None), (2, 1, None), (2, None, 'weipipe-zb')]:\n"
-        "    registry.check_config(N(parallel=N(pipeline_model_parallel_size=pp,\n"
-        "        num_layers_per_virtual_pipeline_stage=vpp, pipeline_schedule=name), num_microbatches=4))\n"
+        "    registry.check_config(_cfg(pp, vpp, 4, name))\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy'))\n"
         "assert not heavy, heavy[:5]\n"
         "assert 'megatron_weipipe.config' not in sys.modules\n"
