@@ -51,3 +51,16 @@ def test_either_flag_settles_which_schedule_runs(flag, kept_lr):
 def test_the_two_flags_exclude_each_other():
     with pytest.raises(ConfigError, match="mutually exclusive"):
         parse_config(tiny_gpt_args() + ["--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler"])
+
+
+def test_a_run_extended_with_its_decay_length_fixed_resumes():
+    """A longer --train-iters moves only the weight-decay ramp's length, which a constant weight
+    decay never reads: the load goes on. Where the decay ramps it is compared as in Megatron-LM."""
+    state = _saved("--train-iters", "3", "--lr-decay-iters", "6")
+    longer, _ = _scheduler("--train-iters", "6", "--lr-decay-iters", "6")
+    longer.load_state_dict(state)
+    assert longer.num_steps == 8 and longer.lr_decay_steps == state["lr_decay_steps"]
+    ramped, _ = _scheduler("--train-iters", "6", "--lr-decay-iters", "6")
+    ramped.start_wd, ramped.end_wd, ramped.wd_incr_style = 0.0, 0.1, "linear"
+    with pytest.raises(ScheduleMismatch, match="weight decay iterations"):
+        ramped.load_state_dict({**state, "start_wd": 0.0, "end_wd": 0.1, "wd_incr_style": "linear"})

@@ -65,11 +65,18 @@ def use_device_grad_norm() -> None:
         clip_grads.l2_norm_impl = _device_l2_norm
 
 
+WD_STEPS = "total number of weight decay iterations"  # megatron-core's name of wd_incr_steps
+
+
 class ParamScheduler(OptimizerParamScheduler):
     """megatron-core's scheduler; a schedule that differs from the checkpoint's is one line
-    naming the two flags that settle it, not an assertion."""
+    naming the two flags that settle it, not an assertion. The weight-decay ramp's length
+    (--train-iters x batch in Megatron-LM) is compared only when the decay ramps, so a run
+    extended with an explicit --lr-decay-iters resumes."""
 
     def _check_and_set(self, cls_value, sd_value, name):
+        if name == WD_STEPS and self.start_wd == self.end_wd:
+            return cls_value  # a constant weight decay: its ramp length changes nothing
         if not (self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler) \
                 and cls_value != sd_value:
             raise ScheduleMismatch(f"the checkpoint's {name} is {sd_value} but these flags give {cls_value}: pass "
