@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from harness.runs import tiny_gpt_args
@@ -48,3 +49,11 @@ def test_no_create_attention_mask_leaves_reset_attention_mask_without_effect(tmp
     for i in SAMPLES:
         assert "attention_mask" not in both[i] and "attention_mask" not in plain[i]
         assert all(torch.equal(both[i][k], plain[i][k]) for k in ("tokens", "labels", "loss_mask", "position_ids"))
+
+
+def test_split_takes_the_quotes_a_megatron_lm_script_leaves():
+    """Megatron-LM's Llama-3 scripts pass "--split '99,1,0'" through an unquoted array, so the
+    quotes arrive; megatron-core reads the numbers, and so does start-up. Other text is refused."""
+    assert parse_config(tiny_gpt_args(split="'99,1,0'")).data.split == "'99,1,0'"
+    with pytest.raises(Exception, match="must be up to three numbers"):
+        parse_config(tiny_gpt_args(split="99;1"))

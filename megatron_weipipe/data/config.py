@@ -19,7 +19,9 @@ from megatron_weipipe.flags import option
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEADER_BYTES = 34  # magic (9) + version (8) + dtype code (1) + sequence and document counts (8 + 8)
-_SPLIT_RE = re.compile(r"^\s*\d+(\.\d*)?(\s*[,/]\s*\d+(\.\d*)?){0,2}\s*$")
+# Quotes around the numbers are what a shell leaves of "--split '99,1,0'" in an unquoted array
+# expansion (Megatron-LM's Llama-3 scripts); megatron-core reads only the numbers.
+_SPLIT_RE = re.compile(r"""^\s*['"]?\s*\d+(\.\d*)?(\s*[,/]\s*\d+(\.\d*)?){0,2}\s*['"]?\s*$""")
 _SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -248,7 +250,7 @@ class DataConfig(TokenizerConfig):
             raise ValueError(f"num_workers must be a non-negative integer, got {self.num_workers!r}.")
         if not isinstance(self.split, str) or not _SPLIT_RE.match(self.split):
             raise ValueError(f"split {self.split!r} must be up to three numbers like '969,30,1'.")
-        if sum(float(x) for x in re.split(r"[,/]", self.split)) <= 0:
+        if sum(float(x) for x in re.findall(r"[.0-9]+", self.split)) <= 0:
             raise ValueError(f"split {self.split!r} must have a positive total.")
         self.check_tokenizer()
         if self.data_cache_path is not None and os.path.exists(self.data_cache_path):
