@@ -74,7 +74,7 @@ class FP8Config:
         need = MIN_CAPABILITY[self.fp8_recipe]
         if not transformer_engine:
             return ("--fp8-format needs Transformer Engine layers on a GPU (FP8 GEMMs are TE's); this host builds "
-                    f"megatron-core's local layers")
+                    "megatron-core's local layers")
         if tuple(capability) < need:
             return (f"--fp8-format with --fp8-recipe {self.fp8_recipe} needs a GPU of compute capability "
                     f"{need[0]}.{need[1]} or newer; this one is {capability[0]}.{capability[1]}")
