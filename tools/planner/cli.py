@@ -96,7 +96,8 @@ def format_plan(p, base, cluster, nodes: int, top: int) -> str:
     lines = [f"{world} x {d.name} ({nodes} node{'s' if nodes > 1 else ''} x {cluster.gpus_per_node}, "
              f"{d.memory_gb:g} GB each), links {cluster.intra.name} / {cluster.inter.name}: "
              f"{p.structures} structures, {p.refused} refused by pretrain_gpt.py, {p.too_big} fit no rung of the "
-             f"memory ladder, {len(p.ranked)} ranked ({p.simulations} simulations, {p.seconds:.1f} s)"]
+             f"memory ladder, {len(p.ranked) + p.bounded} fit: {len(p.ranked)} simulated, {p.bounded} bounded out "
+             f"(their compute alone is slower than the top {top}) ({p.seconds:.1f} s)"]
     if not p.ranked:
         lines.append("no layout fits" + (f"; the closest needs {gb(p.smallest_misfit[0])} per rank "
                                          f"({p.smallest_misfit[1]})" if p.smallest_misfit else ""))
@@ -125,7 +126,7 @@ def plan_dict(p, base, nodes: int, gpus_per_node: int, top: int) -> dict:
                      "device_bytes_per_rank": list(e.memory.per_rank_device), "device_bytes": e.memory.device,
                      "host_bytes": e.memory.host})
     return {"ranked": rows, "structures": p.structures, "refused": p.refused, "too_big": p.too_big,
-            "simulations": p.simulations, "seconds": p.seconds}
+            "bounded": p.bounded, "simulations": p.simulations, "seconds": p.seconds}
 
 
 def run_confirm(p, base, world: int, k: int) -> list[str]:
@@ -172,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return testbed_main()
         cluster = build_cluster(hw)
         schedules = [s.strip() for s in opts.schedules.split(",")] if opts.schedules else None
-        p = plan(base, cluster, opts.nodes, schedules=schedules, fpdt_chunks=fpdt_chunks(opts.fpdt_chunks),
+        p = plan(base, cluster, opts.nodes, keep=max(opts.top, opts.confirm), schedules=schedules, fpdt_chunks=fpdt_chunks(opts.fpdt_chunks),
                  usable_fraction=opts.usable_memory_fraction)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,7 +6,7 @@ attention). Speed is ``simulate_run``: the replay of the schedule's action lists
 pretrain() runs after them; an FSDP2 layout is timed by the simulator's FSDP projection
 (per-unit gathers and reduce-scatters), its memory by the estimator of
 ``--use-torch-fsdp2``. Both are memoized: one schedule's action lists per (schedule, P,
-microbatches, virtual stages), one simulation per distinct run (a RunSpec compares every
+microbatches, virtual stages; run_spec's), one cost model and one simulation per distinct run (a RunSpec compares every
 field the simulator reads and nothing else).
 """
 
@@ -57,7 +57,6 @@ class Evaluator:
         self.cluster = cluster
         self.device_cap = cluster.device.memory_gb * GB * usable_fraction
         self.host_cap = cluster.host_memory_gb * GB
-        self._schedules: dict = {}
         self._memory: dict = {}
         self._runs: dict = {}
         self.simulations = 0
@@ -67,10 +66,7 @@ class Evaluator:
         return spec_from_config(c.config, attention_impl="flash")
 
     def _schedule(self, spec: RunSpec):
-        key = (spec.schedule, spec.layout.pp, spec.num_microbatches, spec.stages)
-        if key not in self._schedules:
-            self._schedules[key] = spec.build_schedule()
-        return self._schedules[key]
+        return spec.build_schedule()  # memoized by its sizes (run_spec)
 
     def memory(self, c: Candidate) -> Memory:
         spec = self.spec(c)
@@ -99,11 +95,25 @@ class Evaluator:
             spec = replace(spec, schedule=fsdp)
         return spec
 
+    def _costs(self, spec: RunSpec):
+        key = ("costs", spec)
+        if key not in self._runs:
+            self._runs[key] = costs_for(_FLOP_COSTS, spec, self.cluster)
+        return self._runs[key]
+
+    def lower_bound(self, c: Candidate) -> float:
+        """Seconds no iteration of the candidate can beat, without replaying it: the busiest
+        rank's compute of the action lists (each rank computes one action at a time)."""
+        spec = self.timed_spec(c)
+        schedule = self._schedule(spec)
+        duration = self._costs(spec).duration(schedule)
+        return max(sum(duration(a) for a in acts) for acts in schedule.ranks) / spec.kernel_efficiency
+
     def run(self, c: Candidate) -> ScheduleResult:
         spec = self.timed_spec(c)
         if spec not in self._runs:
             self.simulations += 1
-            self._runs[spec] = simulate_run(spec, self.cluster, costs_for(_FLOP_COSTS, spec, self.cluster))
+            self._runs[spec] = simulate_run(spec, self.cluster, self._costs(spec))
         return self._runs[spec]
 
     def evaluate(self, c: Candidate, memory: Optional[Memory] = None) -> Evaluated:
