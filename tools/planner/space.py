@@ -164,9 +164,6 @@ def structures(world: int, gpus_per_node: int, num_layers: int,
                         yield Structure(tp, cp, pp, dp, schedule, virtual, mode)
 
 
-_QUIET = logging.getLogger("megatron_weipipe")
-
-
 def trainer_config(argv: Sequence[str], world: int) -> PretrainConfig:
     """What pretrain_gpt.py makes of ``argv`` at ``world`` ranks: its own parse, defaults
     and every start-up rule (raises ConfigError with the trainer's one line)."""
@@ -174,11 +171,13 @@ def trainer_config(argv: Sequence[str], world: int) -> PretrainConfig:
 
     level = logging.root.manager.disable
     logging.disable(logging.WARNING)  # the trainer's notices (flags it turns off) are not the planner's output
+    said = io.StringIO()
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(said):
             return parse_config(list(argv), world)
-    except SystemExit as e:  # argparse: a flag the trainer does not know
-        raise ConfigError(f"pretrain_gpt.py refuses the flags (exit {e.code})") from None
+    except SystemExit:  # argparse: a flag the trainer does not know, or a bad value
+        lines = said.getvalue().strip().splitlines() or ["pretrain_gpt.py refuses the flags"]
+        raise ConfigError(lines[-1]) from None
     finally:
         logging.disable(level)
 
