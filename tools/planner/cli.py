@@ -85,7 +85,7 @@ def launch_line(base: Sequence[str], flags: Sequence[str], nodes: int, gpus_per_
 
 
 def gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 or n == 0 else f"{n / 1e6:.1f} MB"
 
 
 def format_plan(p, base, cluster, nodes: int, top: int) -> str:

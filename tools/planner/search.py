@@ -46,11 +46,12 @@ def plan(base: Sequence[str], cluster: Cluster, nodes: int, *, keep: int = 5,
     fits = []
     for st in structures(world, cluster.gpus_per_node, base_cfg.model.num_layers, schedules, modes):
         out.structures += 1
-        if accepted(base, st, ladder[0], world, out.rejections) is None:
+        bare = accepted(base, st, ladder[0], world, out.rejections)
+        if bare is None:
             out.refused += 1  # the bare structure refused: its rungs only add memory savings to it
             continue
         for rung in ladder:
-            cand = accepted(base, st, rung, world)
+            cand = bare if rung is ladder[0] else accepted(base, st, rung, world)
             if cand is None or (admit is not None and not admit(cand)):
                 continue
             mem = ev.memory(cand)
