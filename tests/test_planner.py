@@ -127,3 +127,28 @@ def test_the_papers_methods_are_layouts_the_trainer_accepts():
             assert cand is None and "--num-query-groups" in why
         else:
             assert cand is not None, (s.name, why)
+
+
+def test_testbed_check_ranks_the_planners_layouts_by_the_testbed_prediction(tmp_path):
+    """The check's ranking is the simulator's testbed prediction of each row, for the
+    layouts of the planner's space (a calibration set written here: no host probe runs)."""
+    from megatron_weipipe.simulator import calibration as calib
+    from megatron_weipipe.simulator.calibration import ChunkTimes, Fsdp2Overhead, HostCalibration
+    from megatron_weipipe.simulator.testbed import TestbedShape
+    from tools.planner import testbed_check as tc
+
+    shape, seq = TestbedShape(), 1024
+    g = tc.Group("ib-edr", seq, shape.layers, shape.hidden, shape.heads, shape.microbatches,
+                 (("1f1b", 3.0, 2.0, 4.0), ("weipipe-zb", 5.0, 4.5, 5.5), ("fsdp", 1.0, 0.5, 1.5)))
+    name = f"L{shape.layers}-h{shape.hidden}-a{shape.heads}"
+    ct = ChunkTimes(1, 0.01, 0.02, 0.014, 0.006)
+    calib.save(HostCalibration(shape=shape.model(seq), module=ct, flat=ct, embed_forward=1e-3, embed_backward=2e-3,
+                               head_forward=3e-3, head_backward=4e-3, optimizer_per_param=0.0, repeats=1),
+               str(tmp_path / f"testbed-{name}-s{seq}.json"))
+    (tmp_path / f"loop-{name}.json").write_text('{"seconds": 0.0}')
+    (tmp_path / f"fsdp2-{name}.json").write_text(Fsdp2Overhead(2e-3, 4e-3, 0.01).to_json())
+    (row,) = tc.check([g], [str(tmp_path)])
+    assert set(row["predicted"]) == {"1f1b", "weipipe-zb", "fsdp"}
+    assert row["choice"] == max(row["predicted"], key=row["predicted"].get)
+    assert "--pipeline-model-parallel-size" in row["launch"]
+    assert "first choice a hit in" in tc.report([row])
