@@ -92,12 +92,17 @@ def test_bad_input_is_one_line(capsys):
     assert "--train-iters" in capsys.readouterr().err
 
 
-def test_confirm_dry_runs_the_pick_against_the_estimator(capsys):
+def test_confirm_dry_runs_the_pick_against_the_estimator(capsys, tmp_path):
+    import json
+
+    path = tmp_path / "plan.json"
     assert cli.main(TINY + ["--gpu", "h100", "--gpus-per-node", "1", "--nodes", "1", "--top", "1",
-                            "--confirm", "1"]) == 0
+                            "--confirm", "1", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "torchrun --nproc-per-node 1 --nnodes 1 pretrain_gpt.py" in out
     assert "agree" in out and "FAILED" not in out
+    (row,) = json.loads(path.read_text())["ranked"]
+    assert row["launch"] in out and row["device_bytes"] == max(row["device_bytes_per_rank"]) > 0
 
 
 def test_testbed_groups_and_verdicts():
