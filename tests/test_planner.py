@@ -97,7 +97,7 @@ def test_confirm_dry_runs_the_pick_against_the_estimator(capsys, tmp_path):
 
     path = tmp_path / "plan.json"
     assert cli.main(TINY + ["--gpu", "h100", "--gpus-per-node", "1", "--nodes", "1", "--top", "1",
-                            "--confirm", "1", "--json", str(path)]) == 0
+                            "--confirm", "1", "--confirm-timeout", "300", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "torchrun --nproc-per-node 1 --nnodes 1 pretrain_gpt.py" in out
     assert "agree" in out and "FAILED" not in out

@@ -31,6 +31,7 @@ class PlannerOptions:
     top: int = option(5, help="layouts printed, fastest first")
     confirm: int = option(0, help="dry-run the heaviest rank of the first K layouts (tools/dry_run.py) and compare "
                                   "its peak with the estimator's")
+    confirm_timeout: float = option(1800.0, help="seconds each --confirm dry run may take")
     schedules: Optional[str] = option(None, help="comma list of pipeline schedules to consider (default: all the "
                                                  "trainer runs)")
     fpdt_chunks: str = option("65536,16384,8192", help="FPDT chunk sizes the memory ladder tries, comma list")
@@ -129,7 +130,7 @@ def plan_dict(p, base, nodes: int, gpus_per_node: int, top: int) -> dict:
             "bounded": p.bounded, "simulations": p.simulations, "seconds": p.seconds}
 
 
-def run_confirm(p, base, world: int, k: int) -> list[str]:
+def run_confirm(p, base, world: int, k: int, timeout: float) -> list[str]:
     from .confirm import DEFAULT_TOLERANCE, confirm
 
     lines = [f"", f"dry run of the heaviest rank of the first {k} (tools/dry_run.py --platform cuda), against the "
@@ -139,7 +140,7 @@ def run_confirm(p, base, world: int, k: int) -> list[str]:
         spec = e.result.spec
         heaviest = max(range(len(e.memory.per_rank_device)), key=lambda r: e.memory.per_rank_device[r])
         rank = spec.layout.pipeline_ranks()[heaviest]
-        c = confirm(list(base) + list(e.candidate.flags), world, rank)
+        c = confirm(list(base) + list(e.candidate.flags), world, rank, timeout)
         if c.error:
             lines.append(f"{i}. rank {rank}: {c.error}")
             ok = False
@@ -183,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(opts.json, "w") as f:
             json.dump(plan_dict(p, base, opts.nodes, cluster.gpus_per_node, opts.top), f, indent=1)
     if opts.confirm and p.ranked:
-        lines = run_confirm(p, base, opts.nodes * cluster.gpus_per_node, opts.confirm)
+        lines = run_confirm(p, base, opts.nodes * cluster.gpus_per_node, opts.confirm, opts.confirm_timeout)
         print("\n".join(lines))
         if lines[-1] == "confirmation FAILED":
             return 1
