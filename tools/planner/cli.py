@@ -133,7 +133,7 @@ def plan_dict(p, base, nodes: int, gpus_per_node: int, top: int) -> dict:
 def run_confirm(p, base, world: int, k: int, timeout: float) -> list[str]:
     from .confirm import DEFAULT_TOLERANCE, confirm
 
-    lines = [f"", f"dry run of the heaviest rank of the first {k} (tools/dry_run.py --platform cuda), against the "
+    lines = ["", f"dry run of the heaviest rank of the first {k} (tools/dry_run.py --platform cuda), against the "
                   f"estimator on the same layers (agree within {DEFAULT_TOLERANCE:.0%}):"]
     ok = True
     for i, e in enumerate(p.ranked[:k], 1):

@@ -20,7 +20,7 @@ import contextlib
 import io
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from megatron_weipipe.config import ConfigError, PretrainConfig
 from megatron_weipipe.schedules import registry
@@ -212,5 +212,3 @@ def given_layout_flags(argv: Sequence[str]) -> list[str]:
     """The layout flags a command line gives (the planner chooses those)."""
     return [a.split("=")[0] for a in argv if a.split("=")[0] in LAYOUT_FLAGS]
 
-
-CandidateFilter = Callable[[Candidate], bool]
