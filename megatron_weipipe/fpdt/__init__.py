@@ -17,6 +17,7 @@ _EXPORTS = {
     "check_layout": "config",
     "cp_heads_fit": "config",
     "kv_heads_per_rank": "config",
+    "ulysses_heads_sent": "config",
     "MathKernel": "kernels",
     "merge": "kernels",
     "select_kernel": "kernels",

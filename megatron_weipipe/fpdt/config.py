@@ -196,6 +196,13 @@ def kv_heads_per_rank(groups: int, cp: int, tp: int = 1) -> int:
     return max(1, groups // (cp * tp))
 
 
+def ulysses_heads_sent(heads: int, groups: int, cp: int, tp: int = 1) -> int:
+    """Heads per token in one TP rank's q|k|v all-to-all send buffer: its query heads, and
+    k and v of each KV head once per rank that holds its query heads (the all-to-all of
+    o, do and dq|dk|dv: heads / tp, and this again)."""
+    return heads // tp + 2 * cp * kv_heads_per_rank(groups, cp, tp)
+
+
 def check_layout(seq_len: int, cp_size: int, num_chunks: int) -> None:
     """The FPDT layout needs S divisible by u*P (u chunks of C = S/u tokens, P pieces each)."""
     require(cp_size > 0 and num_chunks > 0, f"cp_size={cp_size} and num_chunks={num_chunks} must be positive")
