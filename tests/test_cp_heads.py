@@ -210,3 +210,26 @@ def test_packed_reference_mask_matters(world4):
     names = list(RUNS)
     runs = [merge_ranks([r["runs"] for r in world4], names.index(n)) for n in ("reference", "packed-reference")]
     assert max(abs(a - b) for a, b in zip(runs[0]["losses"], runs[1]["losses"])) > 1e-4
+
+
+def test_estimator_counts_a_shared_kv_head_on_each_rank():
+    from megatron_weipipe.fpdt.config import kv_heads_per_rank, ulysses_heads_sent
+    from megatron_weipipe.shape import ModelShape
+    from megatron_weipipe.simulator.fpdt import FPDTSpec, pool_buffers
+    from megatron_weipipe.simulator.memory import ActivationOptions, long_context_layer_bytes
+
+    # the measured all-to-all above: 8 query heads, 2 KV heads, CP 4
+    assert ulysses_heads_sent(8, 2, 4) == 8 + 2 * 4 and ulysses_heads_sent(8, 4, 2) == 8 + 2 * 4 // 2 * 2
+    assert kv_heads_per_rank(8, 32) == 1 and kv_heads_per_rank(8, 16, 2) == 1 and kv_heads_per_rank(8, 4, 2) == 1
+    l8b = ModelShape(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=1 << 24,
+                     num_query_groups=8, ffn_hidden_size=14336, swiglu=True, normalization="RMSNorm")
+    C, d, e = 65536, 128, 2
+    spec = FPDTSpec(chunk_size=C, offload=True)
+    forward, _ = pool_buffers(l8b, spec, cp=16, dtype_bytes=e)
+    u = (1 << 24) // C
+    assert forward[C * 1 * d * e] == 2 * u  # k and v of each chunk: the one KV head the rank holds (q, o: 2 heads)
+    # q, k, v in head layout per local token: 32 query heads and a KV head on each of 32 ranks
+    o = ActivationOptions(cp=32, dtype_bytes=e)
+    o8 = ActivationOptions(cp=8, dtype_bytes=e)
+    grow = long_context_layer_bytes(l8b, o, "ulysses") * 32 - long_context_layer_bytes(l8b, o8, "ulysses") * 8
+    assert grow == (1 << 24) * 2 * (32 - 8) * d * e  # k, v for 32 ranks instead of 8 heads
