@@ -87,6 +87,15 @@ def test_fsdp2_options_cut_gathers_and_gradient_syncs():
     assert both.peak_memory - once.peak_memory == pytest.approx(total * 2)
 
 
+def test_reduce_dtype_halves_gradient_bytes():
+    r, spec, cluster, _ = run("--num-gpus 8 --schedules fsdp --hsdp-replicas 2 --fsdp-reduce-dtype bf16")
+    comms, _, _ = baselines._unit_comms(spec, cluster)
+    layer = spec.shape.layer_params(1)
+    assert comms[1].reduce_scatter.payload_bytes == layer * 2 and comms[1].all_reduce.payload_bytes == layer * 2 // 4
+    total, N = spec.shape.total_params(), spec.num_microbatches
+    assert r.bytes_per_link[0]["nvlink-a800"] == pytest.approx(N * 3 / 4 * total * (2 * 2 + 2), rel=1e-6)
+
+
 def test_hsdp_with_one_replica_is_fsdp():
     a, _, _, _ = run("--num-gpus 8 --schedules fsdp")
     b, _, _, _ = run("--num-gpus 8 --schedules fsdp --hsdp-replicas 1")

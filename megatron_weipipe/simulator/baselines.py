@@ -177,7 +177,7 @@ def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
     wire = sum(N * gathers * c.gather.wire_bytes + syncs * c.reduce_scatter.wire_bytes for c in comms)
     n = len(lay.data_cp_ranks()) // fsdp.replicas  # the trainer counts a ring's bytes whatever the backend sends
     units = fsdp_units(spec)
-    counted = sum(N * gathers * c.gather.wire_bytes + syncs * (n - 1) / n * p * FSDP_GRAD_BYTES
+    counted = sum(N * gathers * c.gather.wire_bytes + syncs * (n - 1) / n * p * fsdp.grad_bytes
                   for c, (_, p) in zip(comms, units))
     bytes_per_link = {link.name: wire}
     phases = {"FSDP gathers and reduce-scatters not hidden by compute": exposed,

@@ -112,7 +112,8 @@ def run_specs(a: SimulatorArgs) -> list:
                                 attention_impl="unfused" if a.calibrated else "flash",
                                 weight_pass=a.sim.weipipe_weight_pass,
                                 offload_checkpoints=a.sim.fpdt_offload_checkpoints)
-        fsdp = sharding_from(a.config, a.sim.hsdp_replicas, a.sim.fsdp_no_reshard, a.sim.fsdp_grad_sync_once)
+        fsdp = sharding_from(a.config, a.sim.hsdp_replicas, a.sim.fsdp_no_reshard, a.sim.fsdp_grad_sync_once,
+                             a.sim.fsdp_reduce_dtype)
         specs.append(replace(spec, schedule=n, kernel_efficiency=factors[n], fsdp=fsdp).validate())
     return specs
 

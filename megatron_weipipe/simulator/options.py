@@ -38,6 +38,10 @@ class SimulationOptions:
     fsdp_grad_sync_once: bool = option(
         False, help="fsdp: reduce gradients after the last microbatch only, accumulating them unsharded (also set "
                     "by --torch-fsdp2-no-grad-sync-per-microbatch)")
+    fsdp_reduce_dtype: str = option(
+        "fp32", choices=("fp32", "bf16"),
+        help="fsdp: the dtype gradients are reduce-scattered and all-reduced in (DeepSpeed ZeRO-3 in fp16/bf16 "
+             "reduces in the model's dtype)")
     fpdt_offload_checkpoints: bool = option(
         False, help="layer-input checkpoints in host memory (implies full recomputation)")
 

@@ -36,6 +36,7 @@ class FsdpSharding:
     replicas: int = 1  # groups the model is replicated across (1: sharded over every rank)
     reshard_after_forward: bool = True  # FSDP2's default: gathered again for the backward
     grad_sync_per_microbatch: bool = True  # reduce-scatter (and all-reduce) every microbatch
+    grad_bytes: int = GRAD_BYTES  # the gradients' reduce dtype (FSDP2's MixedPrecisionPolicy.reduce_dtype)
 
     def validate(self, ranks: int) -> "FsdpSharding":
         require_simulable(self.replicas >= 1 and ranks % self.replicas == 0,
@@ -57,7 +58,7 @@ def _config_flag(cfg, name: str, default):
 
 
 def sharding_from(cfg, replicas: Optional[int] = None, no_reshard: bool = False,
-                  grad_sync_once: bool = False) -> FsdpSharding:
+                  grad_sync_once: bool = False, reduce_dtype: str = "fp32") -> FsdpSharding:
     """The sharding of a run: the simulator's what-if options where given, else the trainer's
     flags (HSDP replicas only with --use-torch-fsdp2)."""
     if replicas is None:
@@ -66,7 +67,8 @@ def sharding_from(cfg, replicas: Optional[int] = None, no_reshard: bool = False,
     return FsdpSharding(
         replicas=replicas,
         reshard_after_forward=not (no_reshard or bool(_config_flag(cfg, NO_RESHARD_FLAG, False))),
-        grad_sync_per_microbatch=not (grad_sync_once or bool(_config_flag(cfg, NO_SYNC_FLAG, False))))
+        grad_sync_per_microbatch=not (grad_sync_once or bool(_config_flag(cfg, NO_SYNC_FLAG, False))),
+        grad_bytes=2 if reduce_dtype == "bf16" else GRAD_BYTES)
 
 
 def groups(ranks: list[int], replicas: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -81,8 +83,8 @@ class UnitComms:
     """One unit's collectives per microbatch on one rank."""
 
     gather: collectives.CollectiveCost  # compute-dtype weights, inside the shard group
-    reduce_scatter: collectives.CollectiveCost  # fp32 gradient, inside the shard group
-    all_reduce: collectives.CollectiveCost  # fp32 gradient shard, across the replica groups
+    reduce_scatter: collectives.CollectiveCost  # gradient (fp32 unless said), inside the shard group
+    all_reduce: collectives.CollectiveCost  # gradient shard, across the replica groups
 
 
 def unit_comms(params: list[int], ranks: list[int], sharding: FsdpSharding, cluster: Cluster,
@@ -95,6 +97,7 @@ def unit_comms(params: list[int], ranks: list[int], sharding: FsdpSharding, clus
     link = cluster.slowest_link(shard)
     replica_link = cluster.crossing_link(replica, replicas)
     rs = collectives.all_reduce if cluster.device.backend == "gloo" else collectives.reduce_scatter
-    out = [UnitComms(collectives.all_gather(p * compute_bytes, n, link), rs(p * GRAD_BYTES, n, link),
-                     collectives.all_reduce(p * GRAD_BYTES // n, r, replica_link)) for p in params]
+    g = sharding.grad_bytes
+    out = [UnitComms(collectives.all_gather(p * compute_bytes, n, link), rs(p * g, n, link),
+                     collectives.all_reduce(p * g // n, r, replica_link)) for p in params]
     return out, link, replica_link

@@ -224,6 +224,7 @@ class TawPipeVariant:
     name: str
     flags: str = ""  # for every column
     ring_flags: str = ""  # WeiPipe and TawPipe only
+    sharded_flags: str = ""  # FSDP and HSDP only
 
 
 TAWPIPE_VARIANTS = (
@@ -258,7 +259,7 @@ def tawpipe_table(model: str = TAWPIPE_MODEL, cluster: str = TAWPIPE_CLUSTER, gp
         times = {}
         for label, flags, ring in columns:
             layout = f"--pipeline-model-parallel-size {gpus}" if ring else f"--num-gpus {gpus}"
-            cmd = " ".join(f"{base} {v.flags} {layout} {flags} {v.ring_flags if ring else ''}".split())
+            cmd = " ".join(f"{base} {v.flags} {layout} {flags} {v.ring_flags if ring else v.sharded_flags}".split())
             (r,), _ = run_command(cmd)
             times[label] = r.iteration_s
             if v is variants[0]:
