@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence
 from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule
 from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, Post, pair_messages, rank_posts
 
+from megatron_weipipe.fpdt.config import kv_heads_per_rank
 from megatron_weipipe.residency import pool_bytes
 from megatron_weipipe.shape import ModelShape
 
@@ -160,7 +161,8 @@ def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str,
     core_attn (Ulysses) keeps the kernel's q, k, v, not its output in head layout nor the
     log-sum-exp; mlp (Ulysses) keeps only the MLP's input (FPDT's chunked MLP does already)."""
     b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
-    a, g, d, f = shape.num_attention_heads / o.tp, shape.groups / o.tp, shape.head_dim, shape.ffn / o.tp
+    a, d, f = shape.num_attention_heads / o.tp, shape.head_dim, shape.ffn / o.tp
+    g = o.cp * kv_heads_per_rank(shape.groups, o.cp, o.tp)  # per local token: a shared KV head is on each of its ranks
     e = o.dtype_bytes
     norm = _norm_saved_per_token(shape, o, norm_chunks > 1)
     outputs = (1 if mode == "offload" else 2) * h * e

@@ -26,6 +26,7 @@ from megatron_weipipe.shape import ModelShape
 
 from megatron_weipipe.errors import require_simulable
 from .fpdt import FPDTSpec
+from .sharding import FsdpSharding
 from megatron_weipipe.simulator.rank_order import Layout
 
 DEFAULT_VOCAB_SIZE = 32000  # when --vocab-size is not given (the simulator has no tokenizer)
@@ -50,6 +51,7 @@ class RunSpec:
     # parallel ranks; one unit (a layer, or the root's embedding and output layer) gathered
     # in the compute dtype at a time
     torch_fsdp2: bool = False
+    fsdp: FsdpSharding = FsdpSharding()  # the FSDP baseline's sharding: HSDP replicas, FSDP2's options
     offload_layer_inputs: bool = False  # --offload-layer-inputs: recompute's kept inputs on the host
     attention_impl: str = "flash"  # "flash" (TE layers), "unfused" (local layers), "unfused+flash" (local, fused core)
     dropout: bool = True
