@@ -128,10 +128,7 @@ def test_the_papers_methods_are_layouts_the_trainer_accepts():
     for s in papers.settings():
         hw, opts, base = cli.parse(shlex.split(f"{s.model} {papers.RUN}") + shlex.split(s.cluster))
         cand, why = papers.paper_layout(s, base, opts.nodes * hw.gpus_per_node)
-        if "32 x H100" in s.name:  # Ulysses over 32 ranks needs 32 KV heads; Llama-3 8B has 8
-            assert cand is None and "--num-query-groups" in why
-        else:
-            assert cand is not None, (s.name, why)
+        assert cand is not None, (s.name, why)
 
 
 def test_testbed_check_ranks_the_planners_layouts_by_the_testbed_prediction(tmp_path):

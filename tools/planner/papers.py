@@ -51,7 +51,7 @@ def settings() -> list[Setting]:
                 ("--pipeline-model-parallel-size", str(gpus), "--pipeline-schedule", "weipipe-interleave")))
     out.append(Setting(
         "TawPipe (WeiPipe's model assumed), 3 nodes x 8, 25 GbE", f"{WEIPIPE_MODEL} --global-batch-size 192",
-        "--gpu a800 --link nvlink-a800,ethernet --inter-bandwidth-gbs 3.125 --gpus-per-node 8 --nodes 3",
+        "--gpu a800 --link nvlink-a800,eth25 --gpus-per-node 8 --nodes 3",
         "TawPipe (not trained here; nearest: a WeiPipe-Interleave ring per node, data parallel across)",
         ("--pipeline-model-parallel-size", "8", "--pipeline-schedule", "weipipe-interleave")))
     out.append(Setting(
