@@ -1,0 +1,165 @@
+"""--use-torch-fsdp2's options: HSDP (--num-distributed-optimizer-instances), no reshard after
+forward, and one gradient sync per iteration, against one process, their bytes, their
+checkpoints and their memory in the dry run.
+
+World 4 = 2 replica groups x 2 shards, a tiny Llama-style model (untied, GQA, SwiGLU,
+RMSNorm, RoPE), float32, dropout off, 3 iterations of 2 microbatches a rank, clipping
+active: losses, gradient norms and every final parameter equal the single process
+within 1e-5 relative (fp32 summation order only). The fsdp bytes of each iteration equal
+the closed form of the shard sizes (fsdp2_options_bytes). An HSDP checkpoint saved at
+iteration 2 resumes under plain FSDP2 over the 4 ranks where the uninterrupted run ends.
+One spawned world of 4 and, alongside it, one single process.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from harness import run_distributed
+from harness.runs import tiny_gpt_args
+from harness.state import max_relative_difference
+
+from megatron_weipipe.arguments import parse_config
+from megatron_weipipe.errors import ConfigError
+
+RTOL = 1e-5
+MODEL = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+    seq_length=32, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+    disable_bias_linear=True, make_vocab_size_divisible_by=128, micro_batch_size=1, global_batch_size=8,
+    untie_embeddings_and_output_weights=True, clip_grad=0.5,
+)
+FSDP = dict(use_torch_fsdp2=True)
+HSDP = dict(FSDP, num_distributed_optimizer_instances=2)
+OPTIONS = dict(torch_fsdp2_no_reshard_after_forward=True, torch_fsdp2_no_grad_sync_per_microbatch=True)
+WORLD, REPLICAS, MICROBATCHES = 4, 2, 2
+
+
+def _args(**overrides):
+    return tiny_gpt_args(**{**MODEL, "log_interval": 1, **overrides})
+
+
+def _train(rank, world_size, argv):
+    """pretrain() on this rank: losses, grad norms, full final parameters, bytes per iteration."""
+    import pretrain_gpt
+    from megatron.core import parallel_state
+
+    from megatron_weipipe.model.gpt_step import forward_step
+    from megatron_weipipe.training.pretrain import pretrain
+
+    cfg = parse_config(argv, world_size=world_size)
+    seen, logged = {}, []
+    state = pretrain(cfg, pretrain_gpt.model_provider, forward_step,
+                     after_backward=lambda it, schedule: seen.update(schedule=schedule),
+                     on_log=lambda stats: logged.append(dict(stats["bytes_sent"])))
+    params, local = {}, {}
+    for chunk in seen["schedule"].model_chunks:
+        for name, p in chunk.module.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            params[name] = full.detach().double().numpy().copy()
+            if hasattr(p, "to_local"):
+                local[name] = p.to_local().numel()
+    parallel_state.destroy_model_parallel()
+    return {"losses": state.losses, "grad_norms": state.grad_norms, "params": params, "bytes": logged,
+            "local": local}
+
+
+def _run_many(rank, world_size, argvs):
+    return [_train(rank, world_size, argv) for argv in argvs]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory() as ckpt:
+        world = {
+            "hsdp": _args(**HSDP),
+            "hsdp-options": _args(**HSDP, **OPTIONS),
+            "hsdp-save": _args(**HSDP, save=ckpt, exit_interval=2),
+            "fsdp<-hsdp": _args(**FSDP, load=ckpt),  # plain FSDP2 over all 4 ranks
+        }
+        with ThreadPoolExecutor(2) as pool:  # the single process starts alongside the world of 4
+            reference = pool.submit(run_distributed, _run_many, 1, [_args()], timeout=240)
+            per_rank = run_distributed(_run_many, WORLD, list(world.values()), timeout=240)
+            out = {name: [r[i] for r in per_rank] for i, name in enumerate(world)}
+            out["reference"] = reference.result()[0][0]
+        return out
+
+
+def _close(run, ref):
+    losses = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"]))
+    norms = max(abs(a - b) / abs(b) for a, b in zip(run["grad_norms"], ref["grad_norms"]))
+    params, where = max_relative_difference(run["params"], ref["params"])
+    assert len(run["losses"]) == len(ref["losses"]) == 3
+    assert losses < RTOL and norms < RTOL and params < RTOL, (losses, norms, params, where)
+
+
+@pytest.mark.parametrize("name", ["hsdp", "hsdp-options"])
+def test_matches_single_process(runs, name):
+    assert runs["reference"]["grad_norms"][0] > MODEL["clip_grad"]  # clipping is exercised
+    for rank_result in runs[name]:  # every rank ends with the same full parameters
+        _close(rank_result, runs["reference"])
+
+
+def fsdp2_options_bytes(unit_shards: list[int], shards: int, replicas: int, microbatches: int,
+                        gathers_per_microbatch: int, reductions: int, compute_bytes: int = 4,
+                        reduce_bytes: int = 4) -> int:
+    """Bytes one rank sends in an iteration, closed form: every unit's local shard of n
+    elements is all-gathered inside its shard group (S - 1 shards sent), twice a
+    microbatch (forward, backward) or once without reshard after forward; its gradient is
+    reduce-scattered there (S - 1 shards), then all-reduced across the replicas (a ring:
+    2 (R - 1) / R of the shard), once a microbatch or once an iteration."""
+    per_element = (microbatches * gathers_per_microbatch * compute_bytes * (shards - 1)
+                   + reductions * reduce_bytes * (shards - 1))
+    total = sum(n * per_element for n in unit_shards)
+    return total + sum(reductions * 2 * (replicas - 1) * n * reduce_bytes // replicas for n in unit_shards)
+
+
+def _unit_shards(local: dict[str, int]) -> list[int]:
+    units: dict[str, int] = {}
+    for name, n in local.items():
+        unit = "root"
+        if name.startswith("embedding."):
+            unit = "embedding"
+        elif name.startswith("decoder.layers."):
+            unit = "layer" + name.split(".")[2]
+        units[unit] = units.get(unit, 0) + n
+    assert set(units) == {"embedding", "layer0", "layer1", "root"}
+    return list(units.values())
+
+
+@pytest.mark.parametrize("name, gathers, reductions", [("hsdp", 2, MICROBATCHES), ("hsdp-options", 1, 1)])
+def test_bytes_follow_the_closed_form(runs, name, gathers, reductions):
+    result = runs[name][0]
+    shards = WORLD // REPLICAS
+    full = sum(p.size for p in result["params"].values())
+    assert sum(result["local"].values()) * shards == full  # each rank holds 1 / S of every unit
+    expected = fsdp2_options_bytes(_unit_shards(result["local"]), shards, REPLICAS, MICROBATCHES, gathers,
+                                   reductions)
+    assert len(result["bytes"]) == 3
+    for logged in result["bytes"]:
+        assert logged.get("fsdp") == expected, (logged, expected)
+    print(f"{name}: {expected} B sent per rank per iteration")
+
+
+def test_hsdp_checkpoint_resumes_under_plain_fsdp2(runs):
+    uninterrupted, saved, resumed = runs["hsdp"][0], runs["hsdp-save"][0], runs["fsdp<-hsdp"][0]
+    assert saved["losses"] == uninterrupted["losses"][:2]
+    assert len(resumed["losses"]) == 1
+    assert math.isclose(resumed["losses"][0], uninterrupted["losses"][2], rel_tol=RTOL)
+    params, where = max_relative_difference(resumed["params"], uninterrupted["params"])
+    assert params < RTOL, (params, where)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (dict(torch_fsdp2_no_reshard_after_forward=True), "--torch-fsdp2-no-reshard-after-forward needs"),
+    (dict(torch_fsdp2_no_grad_sync_per_microbatch=True), "--torch-fsdp2-no-grad-sync-per-microbatch needs"),
+    (dict(num_distributed_optimizer_instances=3, **FSDP), "must divide data x context parallel size"),
+])
+def test_refusals(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config(_args(**overrides), world_size=4)
+    assert needle in str(e.value) and "\n" not in str(e.value)
