@@ -8,12 +8,18 @@ active: losses, gradient norms and every final parameter equal the single proces
 within 1e-5 relative (fp32 summation order only). The fsdp bytes of each iteration equal
 the closed form of the shard sizes (fsdp2_options_bytes). An HSDP checkpoint saved at
 iteration 2 resumes under plain FSDP2 over the 4 ranks where the uninterrupted run ends.
-One spawned world of 4 and, alongside it, one single process.
+The dry run of HSDP with both options holds the closed form's shards and gathered
+weights (megatron_weipipe/model/fsdp_memory.py). One spawned world of 4 and, alongside
+it, one single process and one dry run.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +32,7 @@ from harness.state import max_relative_difference
 from megatron_weipipe.arguments import parse_config
 from megatron_weipipe.errors import ConfigError
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
 MODEL = dict(
     num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
@@ -81,12 +88,32 @@ def runs():
             "hsdp-save": _args(**HSDP, save=ckpt, exit_interval=2),
             "fsdp<-hsdp": _args(**FSDP, load=ckpt),  # plain FSDP2 over all 4 ranks
         }
-        with ThreadPoolExecutor(2) as pool:  # the single process starts alongside the world of 4
+        with ThreadPoolExecutor(2) as pool:  # the single process and the dry run start alongside the world of 4
             reference = pool.submit(run_distributed, _run_many, 1, [_args()], timeout=240)
+            dry = pool.submit(_dry_run)
             per_rank = run_distributed(_run_many, WORLD, list(world.values()), timeout=240)
             out = {name: [r[i] for r in per_rank] for i, name in enumerate(world)}
             out["reference"] = reference.result()[0][0]
+            out["dry_run"] = dry.result()
         return out
+
+
+# tools/dry_run.py's run: HSDP with both options, --bf16, 2 microbatches a rank. Its model:
+# NullTokenizer's 1025 ids padded to 1152, learned positions, biases, LayerNorm.
+H, SEQ, VOCAB, LAYERS = 64, 64, 1152, 2
+DRY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
+       "--global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 1024 --mock-data --lr 1e-3 "
+       "--train-iters 1 --bf16 --hidden-dropout 0 --attention-dropout 0 --use-torch-fsdp2 "
+       "--untie-embeddings-and-output-weights --num-distributed-optimizer-instances 2 "
+       "--torch-fsdp2-no-reshard-after-forward --torch-fsdp2-no-grad-sync-per-microbatch --world-size 4").split()
+
+
+def _dry_run() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "tools.dry_run", *DRY, "--json"], capture_output=True, text=True,
+                       timeout=240, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
 
 
 def _close(run, ref):
@@ -163,3 +190,22 @@ def test_refusals(overrides, needle):
     with pytest.raises(ConfigError) as e:
         parse_config(_args(**overrides), world_size=4)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_dry_run_memory_follows_the_closed_form(runs):
+    """The dry run of HSDP (S = 2 of 4 ranks) without reshard after forward: fp32 gradient
+    shards of half the model (plain FSDP2: a quarter), and at the peak the fp32 weight
+    shards plus every unit's bf16 weights (and one layer's all-gather buffer)."""
+    from megatron_weipipe.model.fsdp_memory import FsdpUnits, fsdp2_rank_bytes
+
+    out = runs["dry_run"]
+    layer = 2 * H + (3 * H * H + 3 * H) + (H * H + H) + 2 * H + (4 * H * H + 4 * H) + (4 * H * H + H)
+    units = FsdpUnits(embedding=VOCAB * H + SEQ * H, layer=layer, layers=LAYERS, root=VOCAB * H + 2 * H)
+    closed = fsdp2_rank_bytes(units, WORLD, REPLICAS, compute_bytes=2, reshard_after_forward=False,
+                              grad_sync_per_microbatch=False, microbatches=MICROBATCHES)
+    plain = fsdp2_rank_bytes(units, WORLD, compute_bytes=2)
+    assert closed.grad_shards == 2 * plain.grad_shards == 4 * units.total // 2
+    assert out["category_peaks"]["gradients"] == closed.grad_shards
+    assert out["categories"]["parameters"] == closed.param_shards + closed.gathered
+    # Adam's moments, plus a 4-byte step count per parameter tensor
+    assert 0 <= out["categories"]["optimizer_state"] - closed.optimizer_state < 4 * 64

@@ -127,13 +127,14 @@ def fsdp_mesh(group: dist.ProcessGroup, replicas: int, device_type: str):
 
         shard = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
         replicate = ps.get_inter_distributed_optimizer_instance_group()
-        grid = torch.tensor(dist.get_process_group_ranks(group)).view(replicas, -1)
-        me = dist.get_rank()
-        row, col = [int(i) for i in (grid == me).nonzero()[0]]
-        if (grid[row].tolist() != dist.get_process_group_ranks(shard)
-                or grid[:, col].tolist() != dist.get_process_group_ranks(replicate)):
+        ranks = dist.get_process_group_ranks(group)  # lists: tools/dry_run.py traces tensor ops
+        size = len(ranks) // replicas
+        index = ranks.index(dist.get_rank())
+        row, col = ranks[index - index % size:][:size], ranks[index % size::size]
+        if row != dist.get_process_group_ranks(shard) or col != dist.get_process_group_ranks(replicate):
             raise RuntimeError("megatron-core's distributed-optimizer instance groups do not tile the data x "
                                "context parallel group as HSDP's (replica, shard) mesh")
+        grid = torch.tensor(ranks).view(replicas, size)
         return DeviceMesh.from_group([replicate, shard], device_type, mesh=grid,
                                      mesh_dim_names=("replicate", "shard"))
 
