@@ -51,14 +51,12 @@ class ParallelConfig:
     use_torch_fsdp2: bool = option(False, help="torch FSDP2 (fully_shard per transformer layer, then the model): "
                                               "parameters, gradients and optimizer state sharded over data x "
                                               "context parallel ranks (docs/how-it-works/fsdp.md)")
-    torch_fsdp2_reshard_after_forward: bool = option(
-        True, flag="--torch-fsdp2-no-reshard-after-forward", inverted=True,
-        help="with --use-torch-fsdp2: keep each unit's gathered weights from its forward to its backward "
+    torch_fsdp2_no_reshard_after_forward: bool = option(
+        False, help="with --use-torch-fsdp2: keep each unit's gathered weights from its forward to its backward "
              "(ZeRO-2 style: one all-gather per microbatch instead of two, the whole model's weights held "
              "at the start of the backward)")
-    torch_fsdp2_grad_sync_per_microbatch: bool = option(
-        True, flag="--torch-fsdp2-no-grad-sync-per-microbatch", inverted=True,
-        help="with --use-torch-fsdp2: reduce-scatter the gradients once per iteration, after the last "
+    torch_fsdp2_no_grad_sync_per_microbatch: bool = option(
+        False, help="with --use-torch-fsdp2: reduce-scatter the gradients once per iteration, after the last "
              "microbatch, instead of after every microbatch (the unsharded gradients of the whole model are "
              "accumulated until then)")
     overlap_grad_reduce: bool = option(False, help="overlap the gradient all-reduce with backward")
@@ -136,9 +134,9 @@ class ParallelConfig:
                 or self.use_torch_fsdp2,
                 "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer (it replicates the "
                 "distributed optimizer's shards) or --use-torch-fsdp2 (HSDP)")
-        for name in ("torch_fsdp2_reshard_after_forward", "torch_fsdp2_grad_sync_per_microbatch"):
-            flag = "--torch-fsdp2-no-" + name.removeprefix("torch_fsdp2_").replace("_", "-")
-            require(getattr(self, name) or self.use_torch_fsdp2, f"{flag} needs --use-torch-fsdp2")
+        for name in ("torch_fsdp2_no_reshard_after_forward", "torch_fsdp2_no_grad_sync_per_microbatch"):
+            require(not getattr(self, name) or self.use_torch_fsdp2,
+                    f"--{name.replace('_', '-')} needs --use-torch-fsdp2")
 
     def validate_data_parallel_size(self, data_parallel_size: int) -> None:
         n = self.num_distributed_optimizer_instances

@@ -10,16 +10,13 @@ the closed form of the shard sizes (fsdp2_options_bytes). An HSDP checkpoint sav
 iteration 2 resumes under plain FSDP2 over the 4 ranks where the uninterrupted run ends.
 The dry run of HSDP with both options holds the closed form's shards and gathered
 weights (megatron_weipipe/model/fsdp_memory.py). One spawned world of 4 and, alongside
-it, one single process and one dry run.
+it, one single process that then runs the dry run.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,7 +29,6 @@ from harness.state import max_relative_difference
 from megatron_weipipe.arguments import parse_config
 from megatron_weipipe.errors import ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
 MODEL = dict(
     num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
@@ -83,26 +79,34 @@ def _train(rank, world_size, argv):
             "local": local, "grads": seen["grads"]}
 
 
-def _run_many(rank, world_size, argvs):
-    return [_train(rank, world_size, argv) for argv in argvs]
+def _run_world(rank, world_size, argvs, ckpt):
+    """The runs in order; before the last, the checkpoint directory points back at iteration 2
+    (the first run saved iterations 2 and 3), so that it resumes from there."""
+    import torch.distributed as dist
+
+    from megatron_weipipe.training.checkpoint.directory import TRACKER
+
+    out = [_train(rank, world_size, argv) for argv in argvs[:-1]]
+    if rank == 0:
+        with open(os.path.join(ckpt, TRACKER), "w") as f:
+            f.write("2")
+    dist.barrier()
+    return out + [_train(rank, world_size, argvs[-1])]
 
 
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as ckpt:
         world = {
-            "hsdp": _args(**HSDP),
+            "hsdp": _args(**HSDP, save=ckpt, save_interval=2),
             "hsdp-options": _args(**HSDP, **OPTIONS),
-            "hsdp-save": _args(**HSDP, save=ckpt, exit_interval=2),
-            "fsdp<-hsdp": _args(**FSDP, load=ckpt),  # plain FSDP2 over all 4 ranks
+            "fsdp<-hsdp": _args(**FSDP, load=ckpt),  # plain FSDP2 over all 4 ranks, from iteration 2
         }
-        with ThreadPoolExecutor(2) as pool:  # the single process and the dry run start alongside the world of 4
-            reference = pool.submit(run_distributed, _run_many, 1, [_args()], timeout=240)
-            dry = pool.submit(_dry_run)
-            per_rank = run_distributed(_run_many, WORLD, list(world.values()), timeout=240)
+        with ThreadPoolExecutor(1) as pool:  # the single process starts alongside the world of 4
+            reference = pool.submit(run_distributed, _reference_then_dry_run, 1, timeout=240)
+            per_rank = run_distributed(_run_world, WORLD, list(world.values()), ckpt, timeout=240)
             out = {name: [r[i] for r in per_rank] for i, name in enumerate(world)}
-            out["reference"] = reference.result()[0][0]
-            out["dry_run"] = dry.result()
+            out["reference"], out["dry_run"] = reference.result()[0]
         return out
 
 
@@ -113,15 +117,19 @@ DRY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 
        "--global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 1024 --mock-data --lr 1e-3 "
        "--train-iters 1 --bf16 --hidden-dropout 0 --attention-dropout 0 --use-torch-fsdp2 "
        "--untie-embeddings-and-output-weights --num-distributed-optimizer-instances 2 "
-       "--torch-fsdp2-no-reshard-after-forward --torch-fsdp2-no-grad-sync-per-microbatch --world-size 4").split()
+       "--torch-fsdp2-no-reshard-after-forward --torch-fsdp2-no-grad-sync-per-microbatch").split()
 
 
-def _dry_run() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "tools.dry_run", *DRY, "--json"], capture_output=True, text=True,
-                       timeout=240, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads(p.stdout)
+def _reference_then_dry_run(rank, world_size):
+    """The one-process run, then (in the same process, one start-up less) rank 0 of the dry
+    run on 4 fake ranks: tools/dry_run.py brings its own fake process group."""
+    import torch.distributed as dist
+
+    from tools.dry_run import dry_run
+
+    reference = _train(rank, world_size, _args())
+    dist.destroy_process_group()
+    return reference, dry_run(DRY, world_size=WORLD, rank=0)
 
 
 def _close(run, ref):
@@ -185,9 +193,8 @@ def test_bytes_follow_the_closed_form(runs, name, gathers, reductions):
 
 
 def test_hsdp_checkpoint_resumes_under_plain_fsdp2(runs):
-    uninterrupted, saved, resumed = runs["hsdp"][0], runs["hsdp-save"][0], runs["fsdp<-hsdp"][0]
-    assert saved["losses"] == uninterrupted["losses"][:2]
-    assert len(resumed["losses"]) == 1
+    uninterrupted, resumed = runs["hsdp"][0], runs["fsdp<-hsdp"][0]
+    assert len(resumed["losses"]) == 1  # iteration 3 only
     assert math.isclose(resumed["losses"][0], uninterrupted["losses"][2], rel_tol=RTOL)
     params, where = max_relative_difference(resumed["params"], uninterrupted["params"])
     assert params < RTOL, (params, where)

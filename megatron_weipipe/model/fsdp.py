@@ -253,8 +253,8 @@ def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config, parallel, compute_
     part of it (fp32 shards; all-gathered in ``compute_dtype``, gradients reduce-scattered
     in ``reduce_dtype`` under mixed precision); ``parallel`` is the ParallelConfig."""
     return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config,
-                              reshard_after_forward=parallel.torch_fsdp2_reshard_after_forward,
+                              reshard_after_forward=not parallel.torch_fsdp2_no_reshard_after_forward,
                               compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                               replicas=parallel.num_distributed_optimizer_instances,
-                              grad_sync_per_microbatch=parallel.torch_fsdp2_grad_sync_per_microbatch)
+                              grad_sync_per_microbatch=not parallel.torch_fsdp2_no_grad_sync_per_microbatch)
             for chunk in chunks]

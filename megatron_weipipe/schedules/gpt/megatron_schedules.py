@@ -103,7 +103,7 @@ class MegatronSchedule(TrainSchedule):
             self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg), self.cfg.parallel,
                                           compute_dtype=dtype, reduce_dtype=reduce_dtype)
             config.finalize_model_grads_func = None  # FSDP reduce-scatters in backward
-            if not self.cfg.parallel.torch_fsdp2_grad_sync_per_microbatch:
+            if self.cfg.parallel.torch_fsdp2_no_grad_sync_per_microbatch:
                 config.no_sync_func = _one_or_list([m.no_sync for m in self.model_chunks])
             return self.model_chunks
         self.model_chunks = wrap_ddp(self.cfg, chunks)
