@@ -5,9 +5,10 @@ checkpoints and their memory in the dry run.
 World 4 = 2 replica groups x 2 shards, a tiny Llama-style model (untied, GQA, SwiGLU,
 RMSNorm, RoPE), float32, dropout off, 3 iterations of 2 microbatches a rank, clipping
 active: losses, gradient norms, every gradient of the first iteration and every final
-parameter equal the single process within 1e-5 relative (fp32 summation order only). The fsdp bytes of each iteration equal
-the closed form of the shard sizes (fsdp2_options_bytes). An HSDP checkpoint saved at
-iteration 2 resumes under plain FSDP2 over the 4 ranks where the uninterrupted run ends.
+parameter equal the single process within 1e-5 relative (fp32 summation order only). The
+fsdp bytes of each iteration equal the closed form of the shard sizes
+(fsdp2_options_bytes). The HSDP run's checkpoint of iteration 2 resumes under plain FSDP2
+over the 4 ranks where the uninterrupted run ends.
 The dry run of HSDP with both options holds the closed form's shards and gathered
 weights (megatron_weipipe/model/fsdp_memory.py). One spawned world of 4 and, alongside
 it, one single process that then runs the dry run.
