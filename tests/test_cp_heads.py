@@ -9,7 +9,7 @@ replicas' gradients back (``gather_kv``). Checked here, in one world of 4 gloo r
 - the bytes of the all-to-alls, from the process byte counter and CommCounter, against
   the same attention with every KV head expanded to its query heads before sending;
 - the GPT model (2 KV heads, CP = 4) against the CP = 1 run of the same world (data
-  parallel over the 4 ranks, megatron-core's attention and dense document mask): losses,
+  parallel over the 4 ranks, no Ulysses, the dense document mask): losses,
   every gradient and every parameter within 1e-5.
 """
 
