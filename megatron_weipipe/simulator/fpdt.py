@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_weipipe.fpdt.config import FPDTConfig, kv_heads_per_rank
+from megatron_weipipe.fpdt.config import FPDTConfig, kv_heads_per_rank, ulysses_heads_sent
 
 from .hardware import Cluster, GiB
 from megatron_weipipe.shape import ModelShape
@@ -77,7 +77,9 @@ def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp:
     ffn = shape.ffn * (2 if shape.swiglu else 1) / tp
     mlp_chunk = chunk_local * b * (ffn + shape.ffn / tp) * e * 2  # intermediate and its gradient
     loss_chunk = 2 * chunk_local * b * shape.padded_vocab(tp) / tp * 4
-    qkv_chunk = chunk_local * b * shape.qkv_width / tp * e * 2  # projection output before / after all-to-all
+    # projection output before the all-to-all, and what arrives (a KV head once per rank holding it)
+    sent = ulysses_heads_sent(shape.num_attention_heads, shape.groups, cp, tp) * d
+    qkv_chunk = chunk_local * b * (shape.qkv_width / tp + sent) * e
     device_chunk = attn_chunk + mlp_chunk + loss_chunk + qkv_chunk
     # full-sequence hidden states alive in a layer's forward/backward: input, attention
     # output, residual, norm output, and two gradients

@@ -25,6 +25,7 @@ from . import collectives, memory
 from .costs import CostModel
 from megatron_weipipe.simulator.cluster_replay import EventModel, Trace, replay
 from .fpdt import FPDTReport, analyse
+from megatron_weipipe.fpdt.config import ulysses_heads_sent
 from .hardware import Cluster
 from .run_spec import RunSpec
 
@@ -218,8 +219,10 @@ def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ..
         if lay.cp > 1:
             # Ulysses / FPDT all-to-alls, payload as counted (the whole send buffer): per layer
             # and microbatch q|k|v out and o back in the forward, do out and dq|dk|dv back in
-            # the backward; full recomputation runs the forward's pair again
-            per = s.tokens // lay.cp * (s.qkv_width + s.num_attention_heads * s.head_dim) // lay.tp * spec.compute_bytes
+            # the backward; full recomputation runs the forward's pair again. q|k|v carries a KV
+            # head once per rank holding its query heads (fewer KV heads than CP x TP: several)
+            heads = ulysses_heads_sent(s.num_attention_heads, s.groups, lay.cp, lay.tp) + s.num_attention_heads // lay.tp
+            per = s.tokens // lay.cp * heads * s.head_dim * spec.compute_bytes
             layer_passes = (schedule.microbatches * s.num_layers if spec.is_weipipe
                             else spec.num_microbatches * spec.rank_layers(r))
             coll += per * (3 if spec.recompute else 2) * layer_passes
