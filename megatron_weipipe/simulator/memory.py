@@ -413,6 +413,19 @@ def fsdp2_state_bytes(shards: int) -> StateBytes:
     return StateBytes(param=4, grad=4, optimizer=8, optimizer_shards=shards, param_shards=shards)
 
 
+def fsdp2_option_bytes(params: int, compute_bytes: int, fsdp, microbatches: int) -> float:
+    """What FSDP2's options keep on top of the shards (model/fsdp_memory.py has the exact
+    per-unit form): without reshard after forward every unit's gathered weights stay until
+    its backward; with gradient sync once per iteration the unsharded gradients accumulate
+    across microbatches in the reduce dtype."""
+    out = 0.0
+    if not fsdp.reshard_after_forward:
+        out += params * compute_bytes
+    if not fsdp.grad_sync_per_microbatch and microbatches > 1:
+        out += params * fsdp.grad_bytes
+    return out
+
+
 def fsdp2_gathered_bytes(shape: ModelShape, tp: int, compute_bytes: int) -> float:
     """FSDP2's gathered weights at the peak (the start of the backward), in the compute
     dtype: the root unit (output layer and final norm; the embedding and each layer are

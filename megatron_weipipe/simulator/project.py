@@ -236,7 +236,7 @@ def state_bytes(spec: RunSpec) -> memory.StateBytes:
     and sharding (distributed optimizer, ZeRO-3, FSDP2)."""
     n = spec.layout.dp * spec.layout.cp
     if spec.torch_fsdp2:
-        return memory.fsdp2_state_bytes(n)
+        return memory.fsdp2_state_bytes(n // spec.fsdp.replicas)  # HSDP: sharded inside a replica group
     if spec.zero3:
         return memory.StateBytes(spec.compute_bytes, spec.compute_bytes, 12, optimizer_shards=n, param_shards=n)
     state = memory.state_bytes_for(spec.compute_bytes)
@@ -294,6 +294,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     for r in range(lay.pp):
         params = spec.rank_params(r)
         model_state = params * state.per_param()
+        if spec.torch_fsdp2:
+            model_state += memory.fsdp2_option_bytes(params, spec.compute_bytes, spec.fsdp, spec.num_microbatches)
         host = chunk_state = offloaded = 0.0
         if long_mode is not None:
             units, redo = (1, k) if spec.is_weipipe else (k, 1)

@@ -26,7 +26,7 @@ from megatron_weipipe.shape import ModelShape
 
 from megatron_weipipe.errors import require_simulable
 from .fpdt import FPDTSpec
-from .sharding import FsdpSharding
+from .sharding import FsdpSharding, sharding_from
 from megatron_weipipe.simulator.rank_order import Layout
 
 DEFAULT_VOCAB_SIZE = 32000  # when --vocab-size is not given (the simulator has no tokenizer)
@@ -291,7 +291,7 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
         compute_bytes=t.compute_bytes, weipipe_grad_bytes=2 if p.weipipe_grad_dtype == "bf16" else 4,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer, zero3=zero3,
         torch_fsdp2=p.use_torch_fsdp2, offload_layer_inputs=offload_checkpoints, attention_impl=attention_impl,
-        dropout=_has_dropout(m), fpdt=fpdt, weight_pass=weight_pass, config=cfg,
+        dropout=_has_dropout(m), fpdt=fpdt, weight_pass=weight_pass, config=cfg, fsdp=sharding_from(cfg),
     )
 
 

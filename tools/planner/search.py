@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from megatron_weipipe.simulator.hardware import Cluster
 
 from .evaluate import Evaluated, Evaluator
-from .space import (DATA_PARALLEL_MODES, DEFAULT_FPDT_CHUNKS, DataParallelMode, Rejections, accepted,
+from .space import (DEFAULT_FPDT_CHUNKS, DataParallelMode, Rejections, accepted,
                     memory_ladder, structures, trainer_config)
 
 
@@ -31,7 +31,7 @@ class Plan:
 
 
 def plan(base: Sequence[str], cluster: Cluster, nodes: int, *, keep: int = 5,
-         schedules: Optional[Sequence[str]] = None, modes: Sequence[DataParallelMode] = DATA_PARALLEL_MODES,
+         schedules: Optional[Sequence[str]] = None, modes: Optional[Sequence[DataParallelMode]] = None,
          fpdt_chunks: Sequence[int] = DEFAULT_FPDT_CHUNKS, usable_fraction: float = 1.0,
          evaluator: Optional[Evaluator] = None, admit=None) -> Plan:
     """Rank the layouts of ``base`` (pretrain_gpt.py's flags without layout flags) on

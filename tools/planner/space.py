@@ -49,7 +49,18 @@ DATA_PARALLEL_MODES: tuple[DataParallelMode, ...] = (
     DataParallelMode("ddp", (), sharded=False),
     DataParallelMode("distopt", ("--use-distributed-optimizer",), sharded=True),
     DataParallelMode("fsdp2", ("--use-torch-fsdp2",), sharded=True),
+    # FSDP2's options trade device memory for fewer collectives (the estimator counts both)
+    DataParallelMode("fsdp2, no reshard", ("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
+                     sharded=True),
+    DataParallelMode("fsdp2, grad sync once", ("--use-torch-fsdp2", "--torch-fsdp2-no-grad-sync-per-microbatch"),
+                     sharded=True),
 )
+
+
+def hsdp_mode(nodes: int) -> DataParallelMode:
+    """FSDP2 sharded inside a node and replicated across the ``nodes``."""
+    return DataParallelMode(f"hsdp x{nodes}", ("--use-torch-fsdp2", "--num-distributed-optimizer-instances",
+                                                str(nodes)), sharded=True)
 
 
 @dataclass(frozen=True)
@@ -133,14 +144,18 @@ def divisors(n: int) -> list[int]:
 
 def structures(world: int, gpus_per_node: int, num_layers: int,
                schedules: Optional[Sequence[str]] = None,
-               modes: Sequence[DataParallelMode] = DATA_PARALLEL_MODES,
+               modes: Optional[Sequence[DataParallelMode]] = None,
                virtual_stages: Sequence[int] = (2, 4)) -> Iterator[Structure]:
     """Every combination of sizes, schedule and mode worth asking the trainer about: TP
     within a node (a tensor-parallel group spread over nodes all-reduces every layer over
     the slow link), CP, PP dividing the world; every pipeline schedule at PP > 1 (interleaved
     at each of ``virtual_stages`` model chunks per rank); the sharded modes only where there
-    is more than one data x context parallel rank to shard over."""
+    is more than one data x context parallel rank to shard over; HSDP (replicated across
+    nodes) where more than one node's data x context parallel ranks shard the model."""
     names = [n for n in (schedules or registry.pipeline_names())]
+    nodes = world // gpus_per_node
+    if modes is None:
+        modes = DATA_PARALLEL_MODES + ((hsdp_mode(nodes),) if nodes > 1 else ())
     for tp in divisors(min(world, gpus_per_node)):
         if gpus_per_node % tp:
             continue
@@ -160,6 +175,8 @@ def structures(world: int, gpus_per_node: int, num_layers: int,
                 for schedule, virtual in options:
                     for mode in modes:
                         if mode.sharded and dp * cp == 1:
+                            continue
+                        if mode.name.startswith("hsdp") and (dp * cp % nodes or dp * cp == nodes):
                             continue
                         yield Structure(tp, cp, pp, dp, schedule, virtual, mode)
 
