@@ -11,6 +11,7 @@ trained schedule whose rules it obeys) is the registry's (schedules/registry.py)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
@@ -138,16 +139,12 @@ class RunSpec:
     def build_schedule(self, zb_costs: Optional[tuple[float, float, float]] = None) -> Schedule:
         """The action lists; ``zb_costs``: (F, I, W) of one stage, which a costed timeline's
         order (zb-h1's) is built for."""
-        P, N = self.layout.pp, self.num_microbatches
         e = self.entry
         if e.replayed_as is not None:
             return replace(self, schedule=e.replayed_as).build_schedule(zb_costs)
-        if e.compute_plan is not None:
-            return generate(self.schedule, P, N // P)
-        if e.costed_timeline is not None:
-            return registry.load(e.costed_timeline)(P, N, zb_costs or (1.0, 1.0, 1.0))
         V = self.virtual_stages if e.virtual_stages else 1
-        return registry.load(e.timeline)(self.schedule, P, N, V)
+        return _built_schedule(self.schedule, self.layout.pp, self.num_microbatches, V,
+                               zb_costs if e.costed_timeline is not None else None)
 
     # ------------------------------------------------------------ sizes
     def chunk_params(self) -> int:
@@ -190,6 +187,17 @@ class RunSpec:
         per = self.weipipe_grad_bytes if a.flow is Flow.GRADS else self.compute_bytes
         return self.chunk_params() * per
 
+
+@functools.lru_cache(maxsize=128)
+def _built_schedule(name: str, P: int, N: int, V: int, zb_costs: Optional[tuple[float, float, float]]) -> Schedule:
+    """A schedule's action lists, a function of these sizes alone (a Schedule is frozen, so
+    runs of one schedule and size share them: tools/plan.py times hundreds of runs)."""
+    e = registry.simulated(name)
+    if e.compute_plan is not None:
+        return generate(name, P, N // P)
+    if e.costed_timeline is not None:
+        return registry.load(e.costed_timeline)(P, N, zb_costs or (1.0, 1.0, 1.0))
+    return registry.load(e.timeline)(name, P, N, V)
 
 
 def _has_dropout(m) -> bool:
