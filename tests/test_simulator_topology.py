@@ -158,3 +158,12 @@ def test_tawpipe_report_runs(monkeypatch):
     rows = [l for l in table.splitlines() if l.startswith("| ") and "variant" not in l]
     assert len(rows) == 3 and all("%" in l for l in rows)  # two variants and the paper's figures
     assert "python -m tools.simulate" in table and "--schedules tawpipe" in table
+
+
+def test_trainer_flags_and_what_if_flags_project_alike():
+    untied = "--num-gpus 8 --schedules fsdp --untie-embeddings-and-output-weights"
+    a, spec_a, _, _ = run(f"{untied} --hsdp-replicas 2 --fsdp-grad-sync-once --fsdp-no-reshard")
+    b, spec_b, _, _ = run(f"{untied} --use-torch-fsdp2 --num-distributed-optimizer-instances 2 "
+                          "--torch-fsdp2-no-grad-sync-per-microbatch --torch-fsdp2-no-reshard-after-forward")
+    assert spec_a.fsdp == spec_b.fsdp == sharding.FsdpSharding(2, False, False)
+    assert a.iteration_s == b.iteration_s and a.bytes_per_link == b.bytes_per_link

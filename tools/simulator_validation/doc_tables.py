@@ -227,12 +227,18 @@ class TawPipeVariant:
     sharded_flags: str = ""  # FSDP and HSDP only
 
 
+ONE_DTYPE_RING = "--weipipe-grad-dtype bf16"
+ONE_DTYPE_SHARDED = "--fsdp-reduce-dtype bf16"
 TAWPIPE_VARIANTS = (
-    TawPipeVariant("fp32 gradients (the trainer's default)"),
-    TawPipeVariant("bf16 gradients on the ring (the authors' code: one dtype)", ring_flags="--weipipe-grad-dtype bf16"),
-    TawPipeVariant("bf16 ring gradients, 50 GbE reached (5.6 GB/s)", "--inter-bandwidth-gbs 5.6",
-                   "--weipipe-grad-dtype bf16"),
+    TawPipeVariant("fp32 gradients (this trainer's default)"),
+    TawPipeVariant("one dtype: bf16 gradients everywhere (the authors' fp16 code, ZeRO-3 reducing in fp16)",
+                   ring_flags=ONE_DTYPE_RING, sharded_flags=ONE_DTYPE_SHARDED),
+    TawPipeVariant("one dtype, kernels at 80% of the cost model's speed", "--kernel-efficiency 0.8",
+                   ONE_DTYPE_RING, ONE_DTYPE_SHARDED),
+    TawPipeVariant("one dtype, kernels at 75%", "--kernel-efficiency 0.75", ONE_DTYPE_RING, ONE_DTYPE_SHARDED),
 )
+
+
 def tawpipe_columns(nodes: int, per_node: int):
     """(label, schedule flags, whether a ring schedule) of each compared column."""
     hsdp = f"--schedules fsdp --hsdp-replicas {nodes}"
@@ -272,6 +278,7 @@ def tawpipe_table(model: str = TAWPIPE_MODEL, cluster: str = TAWPIPE_CLUSTER, gp
     lines.append(f"| paper (TawPipe's gain) | | | | | | | | {TAWPIPE_PAPER['weipipe']:+.1%} | "
                  f"{TAWPIPE_PAPER['fsdp']:+.1%} | |")
     note = ("Cells: iteration seconds; gains in tokens/s (the other's iteration / TawPipe's - 1); the last column "
-            "is how much faster the best HSDP is than TawPipe. Commands of the first variant (the others add "
-            "--weipipe-grad-dtype bf16 to WeiPipe and TawPipe, and --inter-bandwidth-gbs 5.6 to all):")
+            f"is how much faster the best HSDP is than TawPipe. Commands of the first variant (the others add "
+            f"{ONE_DTYPE_RING} to WeiPipe and TawPipe, {ONE_DTYPE_SHARDED} to FSDP and HSDP, and --kernel-efficiency "
+            "to all):")
     return "\n".join(lines + ["", note, ""] + [f"    {c}" for c in commands])
