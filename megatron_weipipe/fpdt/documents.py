@@ -10,8 +10,9 @@ in size, and every (query range, key range) block is classified from them:
   skip    no query of the block sees any key of it in any sample: not computed at all
   full    every query sees every key (one document spans the block): unmasked kernel
   causal  a diagonal block inside one document: the causal kernel
-  masked  anything else: per document, the backend's kernel on its rectangle of the
-          block (``segments``), or, when the documents are too short for that to pay, the
+  masked  anything else: one varlen call over every document rectangle of the block
+          (``varlen``, ``fpdt.varlen``: flash varlen on a GPU, a padded-batch reference
+          elsewhere), or, when padding the documents would cost more than the block, the
           math kernel with a boolean [b, sq, sk] block mask (one block's size, never S x S)
 
 The offsets live on the CPU, so the classification costs no device synchronisation.
@@ -64,6 +65,7 @@ class Documents:
             raise ValueError("document offsets of every sample must end at the same sequence length")
         self.counts: Counter = Counter()
         self._rows = offsets.tolist()
+        self._layouts: dict = {}
 
     @property
     def batch(self) -> int:
@@ -112,6 +114,20 @@ class Documents:
                     segs.append((qa - q0, qe - q0, ka - k0, ke - k0))
             out.append(segs)
         return out
+
+    def varlen(self, q0: int, q1: int, k0: int, k1: int, device=None):
+        """The block's document rectangles packed for one varlen call (``fpdt.varlen``),
+        built from the CPU offsets once per block and device and kept with this
+        micro-batch's boundaries (the backward reuses the forward's)."""
+        from megatron_weipipe.fpdt.varlen import build_layout
+
+        dev = torch.device(device or "cpu")
+        key = (q0, q1, k0, k1, str(dev))
+        if key not in self._layouts:
+            cpu = self._layouts.get((q0, q1, k0, k1, "cpu")) or build_layout(self.offsets, q0, q1, k0, k1)
+            self._layouts[(q0, q1, k0, k1, "cpu")] = cpu
+            self._layouts[key] = cpu.to(dev)
+        return self._layouts[key]
 
     def lengths(self) -> list[list[int]]:
         """Document lengths per sample (for logs and tests)."""
