@@ -194,3 +194,23 @@ def test_flash_varlen_adapter_on_a_stand_in_op(monkeypatch, rng):
 def test_backend_choice_on_cpu_is_the_reference():
     assert varlen_backend(object(), torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)) is REFERENCE
     assert varlen_backend(object(), torch.zeros(1, 2, 4, 64, dtype=torch.float64)) is REFERENCE
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 6e-2)])
+def test_cpu_flash_padded_reference_matches_math_float64(dtype, tol):
+    """CPU float32/bf16 run the padded batch through torch's CPU flash op with a key mask."""
+    docs = Documents(OFFSETS)
+    gen = torch.Generator().manual_seed(11)
+    for rng in ((16, 32, 16, 32), (16, 32, 0, 16)):
+        mk = lambda h: torch.randn(2, h, 16, 16, generator=gen, dtype=torch.float64)  # noqa: E731
+        q, k, v, do = mk(4), mk(2), mk(2), mk(4)
+        lay, causal = docs.varlen(*rng), rng[0] == rng[2]
+        lo = [t.to(dtype) for t in (q, k, v, do)]
+        o, lse = REFERENCE.forward(*lo[:3], lay, causal, 0.25)
+        got = (o, lse, *REFERENCE.backward(lo[3], *lo[:3], o, lse, lay, causal, 0.25))
+        o64, l64 = REFERENCE.forward(q, k, v, lay, causal, 0.25)
+        want = (o64, l64, *REFERENCE.backward(do, q, k, v, o64, l64, lay, causal, 0.25))
+        for a, r in zip(got, want):
+            fin = torch.isfinite(r)
+            assert torch.equal(fin, torch.isfinite(a))
+            assert (a.double()[fin] - r[fin]).abs().max() < tol

@@ -21,7 +21,7 @@ The offsets live on the CPU, so the classification costs no device synchronisati
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import torch
 
@@ -115,18 +115,20 @@ class Documents:
             out.append(segs)
         return out
 
-    def varlen(self, q0: int, q1: int, k0: int, k1: int, device=None):
+    def varlen(self, q0: int, q1: int, k0: int, k1: int, device=None, padded: bool = True):
         """The block's document rectangles packed for one varlen call (``fpdt.varlen``),
-        built from the CPU offsets once per block and device and kept with this
-        micro-batch's boundaries (the backward reuses the forward's)."""
+        built from the CPU offsets once per block and kept with this micro-batch's
+        boundaries (the backward and every layer reuse it); on ``device``, with the padded
+        reference's fields only when ``padded``."""
         from megatron_weipipe.fpdt.varlen import build_layout
 
         dev = torch.device(device or "cpu")
-        key = (q0, q1, k0, k1, str(dev))
+        cpu_key = (q0, q1, k0, k1, "cpu", True)
+        if cpu_key not in self._layouts:
+            self._layouts[cpu_key] = build_layout(self.offsets, q0, q1, k0, k1)
+        key = (q0, q1, k0, k1, str(dev), padded or dev.type == "cpu")
         if key not in self._layouts:
-            cpu = self._layouts.get((q0, q1, k0, k1, "cpu")) or build_layout(self.offsets, q0, q1, k0, k1)
-            self._layouts[(q0, q1, k0, k1, "cpu")] = cpu
-            self._layouts[key] = cpu.to(dev)
+            self._layouts[key] = self._layouts[cpu_key].to(dev, padded)
         return self._layouts[key]
 
     def lengths(self) -> list[list[int]]:
@@ -134,11 +136,27 @@ class Documents:
         return [[int(x) for x in row.diff() if x > 0] for row in self.offsets]
 
 
+_RECENT: OrderedDict = OrderedDict()  # id(offsets tensor) -> (tensor, Documents), newest last
+_RECENT_SIZE = 8
+
+
 def as_documents(attention_mask) -> Documents | None:
     """The document boundaries a long-context attention layer received as its
-    ``attention_mask`` argument (None: plain causal). Dense masks are refused."""
+    ``attention_mask`` argument (None: plain causal). Dense masks are refused.
+
+    Every layer of a micro-batch receives the same offsets tensor: its ``Documents`` (and
+    the varlen layouts cached on it) are made once and reused, for the last few tensors
+    seen (WeiPipe interleaves micro-batches)."""
     if attention_mask is None or isinstance(attention_mask, Documents):
         return attention_mask
     if attention_mask.dtype == torch.bool or attention_mask.dim() != 2:
         raise ValueError("Ulysses/FPDT attention takes document offsets [b, n+1], not a dense attention mask")
-    return Documents(attention_mask)
+    hit = _RECENT.get(id(attention_mask))
+    if hit is not None and hit[0] is attention_mask:
+        _RECENT.move_to_end(id(attention_mask))
+        return hit[1]
+    docs = Documents(attention_mask)
+    _RECENT[id(attention_mask)] = (attention_mask, docs)
+    while len(_RECENT) > _RECENT_SIZE:
+        _RECENT.popitem(last=False)
+    return docs

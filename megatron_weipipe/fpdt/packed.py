@@ -34,11 +34,11 @@ PAD_RATIO = 1.0
 def masked_plan(kern, docs: Documents, rng, q: torch.Tensor, sk: int):
     """(varlen backend, layout) of a masked block, or None where the block-masked math
     kernel holds fewer score entries than the padded reference would."""
-    lay = docs.varlen(*rng, device=q.device)
     backend = varlen_backend(kern, q)
+    lay = docs.varlen(*rng)  # on the host: its sizes decide
     if backend is REFERENCE and lay.padded_entries > PAD_RATIO * q.shape[0] * q.shape[2] * sk:
         return None
-    return backend, lay
+    return backend, docs.varlen(*rng, device=q.device, padded=backend is REFERENCE)
 
 
 def block_forward(kern, q, k, v, kind: str, docs: Documents | None, rng, scale: float):

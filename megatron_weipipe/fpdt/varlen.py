@@ -16,9 +16,10 @@ Two backends compute the same thing, each ONE call for the whole block:
   flash   torch's ``aten._flash_attention_forward``/``_backward`` with cum_seq_q/k
           (FlashAttention-2 varlen); CUDA fp16/bf16, head_dim % 8 == 0 and <= 256;
           probed and self-checked against ``reference`` once per (device, dtype, head_dim).
-  reference  the rectangles as a padded batch [n_docs, heads, max_q, max_k] through the
-          math kernel with a key-padding mask: any device and dtype (float64 for the
-          exactness tests), vectorised. ``padded_entries`` says what it costs; the
+  reference  the rectangles as a padded batch [n_docs, heads, max_q, max_k] with a
+          key-padding mask: the math kernel on any device and dtype (float64 for the
+          exactness tests), torch's CPU flash op (it takes the mask) for CPU
+          float32/bf16/fp16; vectorised. ``padded_entries`` says what it costs; the
           caller takes the block-masked math kernel instead when that is smaller (one
           long document among short ones would make the padding quadratic).
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_weipipe.fpdt.kernel_base import SELF_CHECK_TOL, MathKernel
+from megatron_weipipe.fpdt.kernel_base import SELF_CHECK_TOL, MathKernel, acc_dtype
 
 log = logging.getLogger(__name__)
 _MATH = MathKernel()
@@ -66,17 +67,24 @@ class VarlenLayout:
         """Score entries per head of the padded reference: n_docs x max_q x max_k."""
         return self.docs * self.max_q * self.max_k
 
-    def to(self, device) -> VarlenLayout:
+    def to(self, device, padded: bool = True) -> VarlenLayout:
+        """On ``device`` (pinned, non-blocking from the host on CUDA); without the padded
+        fields (left on the host, unused) when ``padded`` is False: flash needs none."""
         device = torch.device(device)
         if device.type == "cpu":
             return self
         pin = device.type == "cuda"
 
-        def move(t):
+        def move(name):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or (not padded and name in PADDED_FIELDS):
+                return t
             return (t.pin_memory() if pin else t).to(device, non_blocking=pin)
 
-        return VarlenLayout(**{f: move(getattr(self, f)) if isinstance(getattr(self, f), torch.Tensor)
-                               else getattr(self, f) for f in self.__dataclass_fields__})
+        return VarlenLayout(**{f: move(f) for f in self.__dataclass_fields__})
+
+
+PADDED_FIELDS = ("q_pad", "k_pad", "k_valid", "q_sel", "k_sel")  # the reference's only
 
 
 def _pack(starts: torch.Tensor, lengths: torch.Tensor):
@@ -139,8 +147,54 @@ def _unpadded(t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]).index_select(0, sel)
 
 
+class _PaddedCpuFlash:
+    """torch's CPU flash op on the padded batch, the padding masked by an additive key
+    mask (float32/bf16/fp16 on the CPU): the math kernel's result without its fp32 scores."""
+
+    FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    @staticmethod
+    def _kv(k, v, groups):
+        from megatron_weipipe.fpdt.kernels import CpuFlashKernel
+
+        if groups == 1 or CpuFlashKernel.native_gqa():
+            return k, v, 1
+        return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), groups
+
+    @staticmethod
+    def _mask(visible, dtype, Lq):
+        zero = torch.zeros((), dtype=dtype)
+        m = torch.where(visible[:, None, None, :], zero, torch.full((), float("-inf"), dtype=dtype))
+        return m.expand(-1, 1, Lq, -1).contiguous()
+
+    def forward(self, q, k, v, causal, scale, visible):
+        k, v, _ = self._kv(k, v, q.shape[1] // k.shape[1])
+        return self.FWD(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal,
+                        attn_mask=self._mask(visible, q.dtype, q.shape[2]), scale=scale)
+
+    def backward(self, do, q, k, v, o, lse, causal, scale, visible):
+        hkv = k.shape[1]
+        kx, vx, g = self._kv(k, v, q.shape[1] // hkv)
+        dq, dk, dv = self.BWD(do.contiguous(), q.contiguous(), kx.contiguous(), vx.contiguous(), o.contiguous(),
+                              lse.float().contiguous(), 0.0, causal, attn_mask=self._mask(visible, q.dtype, q.shape[2]),
+                              scale=scale)
+        if g > 1:
+            dk, dv = (t.unflatten(1, (hkv, g)).sum(2) for t in (dk, dv))
+        return dq, dk, dv
+
+
+_CPU_FLASH = _PaddedCpuFlash()
+
+
+def _padded_kernel(q):
+    """Math (float64, other devices) or, for CPU float32/bf16/fp16, torch's CPU flash op."""
+    return _CPU_FLASH if q.device.type == "cpu" and q.dtype in (torch.float32, *HALF) else None
+
+
 class ReferenceVarlen:
-    """The rectangles as one padded batch through the math kernel (any device and dtype)."""
+    """The rectangles as one padded batch: the math kernel with a key-padding mask (any
+    device and dtype), or torch's CPU flash op with that mask (CPU float32/bf16/fp16)."""
 
     name = "reference"
 
@@ -150,8 +204,11 @@ class ReferenceVarlen:
         qp = _padded(_rows(q), lay.q_rows, lay.q_pad, 0.0)
         kp = _padded(_rows(k), lay.k_rows, lay.k_pad, 0.0)
         vp = _padded(_rows(v), lay.k_rows, lay.k_pad, 0.0)
-        vis = lay.k_valid[:, None, :].expand(n, Lq, Lk)
-        o, lse = _MATH.forward(qp, kp, vp, causal, scale, visible=vis)
+        fast = _padded_kernel(q)
+        if fast is not None:
+            o, lse = fast.forward(qp, kp, vp, causal, scale, lay.k_valid)
+        else:
+            o, lse = _MATH.forward(qp, kp, vp, causal, scale, visible=lay.k_valid[:, None, :].expand(n, Lq, Lk))
         out = _place(_unpadded(o, lay.q_sel), lay.q_rows, b * sq, 0.0, q.dtype)
         lse = _place(_unpadded(lse.unsqueeze(-1), lay.q_sel), lay.q_rows, b * sq, float("-inf"), lse.dtype)
         return _unrows(out, b), _unrows(lse, b).squeeze(-1)
@@ -167,9 +224,13 @@ class ReferenceVarlen:
         lp = _padded(_rows(lse.unsqueeze(-1)), lay.q_rows, lay.q_pad, float("inf")).squeeze(-1)
         kp = _padded(_rows(k), lay.k_rows, lay.k_pad, 0.0)
         vp = _padded(_rows(v), lay.k_rows, lay.k_pad, 0.0)
-        vis = lay.k_valid[:, None, :].expand(n, Lq, Lk)
-        dq, dk, dv = _MATH.backward(dop, qp, kp, vp, op, lp, causal, scale, visible=vis)
-        acc = dq.dtype
+        fast = _padded_kernel(q)
+        if fast is not None:
+            dq, dk, dv = fast.backward(dop, qp, kp, vp, op, lp, causal, scale, lay.k_valid)
+        else:
+            dq, dk, dv = _MATH.backward(dop, qp, kp, vp, op, lp, causal, scale,
+                                        visible=lay.k_valid[:, None, :].expand(n, Lq, Lk))
+        acc = acc_dtype(q.dtype)
         dq = _place(_unpadded(dq, lay.q_sel), lay.q_rows, b * sq, 0.0, acc)
         dk = _place(_unpadded(dk, lay.k_sel), lay.k_rows, b * sk, 0.0, acc)
         dv = _place(_unpadded(dv, lay.k_sel), lay.k_rows, b * sk, 0.0, acc)
