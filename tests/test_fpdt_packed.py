@@ -5,7 +5,8 @@ The reference (tests/fpdt_reference.py) is torch SDPA on the whole sequence with
 position_ids``). The runs get only document offsets. Documents include one-token ones
 and ones crossing chunk and context-parallel boundaries; float64 within 1e-10, the
 float32 flash path within 1e-5, output and every gradient. Blocks that a document
-boundary cuts run both ways: per document rectangle, and with a block mask.
+boundary cuts run both ways: one varlen call over their document rectangles, and with a
+block mask.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run_case(cfg: dict, group) -> dict:
     P = dist.get_world_size(group)
     r = dist.get_rank(group)
     u, dtype = cfg["u"], cfg.get("dtype", torch.float64)
-    packed.MIN_SEGMENT = cfg.get("min_segment", 64)  # 1: masked blocks run per document rectangle
+    packed.PAD_RATIO = cfg.get("pad_ratio", 1.0)  # inf: masked blocks always one varlen call, 0: block mask
     spec = AttentionSpec(HIDDEN, 4, HEAD_DIM, 2, rotary=RotaryConfig())
     tokens = tokens_for(LAYOUTS[cfg["layout"]])
     case = make_case(S, 2, spec, True, cfg["seed"])
@@ -87,11 +88,11 @@ CONFIGS = (
         (lay, u, off) for lay in LAYOUTS for u, off in ((1, False), (4, False), (8, False), (8, True)))]
     + [dict(layout="mixed", u=1, tile=t, seed=50 + t) for t in (4, 32)]
     + [dict(layout="singletons", u=1, tile=8, seed=60)]
-    + [dict(layout=lay, u=u, offload=u == 8, seed=70 + u, min_segment=1) for lay in ("mixed", "singletons") for u in (2, 8)]
-    + [dict(layout="mixed", u=1, tile=8, seed=80, min_segment=1)]
+    + [dict(layout=lay, u=u, offload=u == 8, seed=70 + u, pad_ratio=float("inf")) for lay in ("mixed", "singletons") for u in (2, 8)]
+    + [dict(layout="mixed", u=1, tile=8, seed=80, pad_ratio=float("inf"))]
     + [dict(layout="mixed", u=4, offload=True, seed=90, dtype=torch.float32),
        dict(layout="mixed", u=1, tile=8, seed=91, dtype=torch.float32),
-       dict(layout="mixed", u=4, seed=92, dtype=torch.float32, min_segment=1)]
+       dict(layout="mixed", u=4, seed=92, dtype=torch.float32, pad_ratio=float("inf"))]
 )
 
 
@@ -120,7 +121,7 @@ def test_every_block_kind_and_skipping_occur(cp2):
         kinds |= set(res["counts"])
     assert kinds == {"skip", "full", "causal", "masked"}
     by = {(c["layout"], c["u"], c.get("offload"), c.get("tile")): res for c, res in zip(CONFIGS, cp2[0])
-          if "min_segment" not in c}
+          if "pad_ratio" not in c}
     # One-token documents: every earlier chunk is skipped, so nothing is fetched back.
     assert by[("singletons", 8, True, None)]["counts"] == {"masked": 8, "skip": 28}
     assert by[("singletons", 8, True, None)]["fetches"] < by[("one-doc", 8, True, None)]["fetches"]

@@ -10,8 +10,9 @@ in size, and every (query range, key range) block is classified from them:
   skip    no query of the block sees any key of it in any sample: not computed at all
   full    every query sees every key (one document spans the block): unmasked kernel
   causal  a diagonal block inside one document: the causal kernel
-  masked  anything else: per document, the backend's kernel on its rectangle of the
-          block (``segments``), or, when the documents are too short for that to pay, the
+  masked  anything else: one varlen call over every document rectangle of the block
+          (``varlen``, ``fpdt.varlen``: flash varlen on a GPU, a padded-batch reference
+          elsewhere), or, when padding the documents would cost more than the block, the
           math kernel with a boolean [b, sq, sk] block mask (one block's size, never S x S)
 
 The offsets live on the CPU, so the classification costs no device synchronisation.
@@ -20,7 +21,7 @@ The offsets live on the CPU, so the classification costs no device synchronisati
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import torch
 
@@ -64,6 +65,7 @@ class Documents:
             raise ValueError("document offsets of every sample must end at the same sequence length")
         self.counts: Counter = Counter()
         self._rows = offsets.tolist()
+        self._layouts: dict = {}
 
     @property
     def batch(self) -> int:
@@ -113,16 +115,48 @@ class Documents:
             out.append(segs)
         return out
 
+    def varlen(self, q0: int, q1: int, k0: int, k1: int, device=None, padded: bool = True):
+        """The block's document rectangles packed for one varlen call (``fpdt.varlen``),
+        built from the CPU offsets once per block and kept with this micro-batch's
+        boundaries (the backward and every layer reuse it); on ``device``, with the padded
+        reference's fields only when ``padded``."""
+        from megatron_weipipe.fpdt.varlen import build_layout
+
+        dev = torch.device(device or "cpu")
+        cpu_key = (q0, q1, k0, k1, "cpu", True)
+        if cpu_key not in self._layouts:
+            self._layouts[cpu_key] = build_layout(self.offsets, q0, q1, k0, k1)
+        key = (q0, q1, k0, k1, str(dev), padded or dev.type == "cpu")
+        if key not in self._layouts:
+            self._layouts[key] = self._layouts[cpu_key].to(dev, padded)
+        return self._layouts[key]
+
     def lengths(self) -> list[list[int]]:
         """Document lengths per sample (for logs and tests)."""
         return [[int(x) for x in row.diff() if x > 0] for row in self.offsets]
 
 
+_RECENT: OrderedDict = OrderedDict()  # id(offsets tensor) -> (tensor, Documents), newest last
+_RECENT_SIZE = 8
+
+
 def as_documents(attention_mask) -> Documents | None:
     """The document boundaries a long-context attention layer received as its
-    ``attention_mask`` argument (None: plain causal). Dense masks are refused."""
+    ``attention_mask`` argument (None: plain causal). Dense masks are refused.
+
+    Every layer of a micro-batch receives the same offsets tensor: its ``Documents`` (and
+    the varlen layouts cached on it) are made once and reused, for the last few tensors
+    seen (WeiPipe interleaves micro-batches)."""
     if attention_mask is None or isinstance(attention_mask, Documents):
         return attention_mask
     if attention_mask.dtype == torch.bool or attention_mask.dim() != 2:
         raise ValueError("Ulysses/FPDT attention takes document offsets [b, n+1], not a dense attention mask")
-    return Documents(attention_mask)
+    hit = _RECENT.get(id(attention_mask))
+    if hit is not None and hit[0] is attention_mask:
+        _RECENT.move_to_end(id(attention_mask))
+        return hit[1]
+    docs = Documents(attention_mask)
+    _RECENT[id(attention_mask)] = (attention_mask, docs)
+    while len(_RECENT) > _RECENT_SIZE:
+        _RECENT.popitem(last=False)
+    return docs

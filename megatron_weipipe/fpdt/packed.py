@@ -2,12 +2,14 @@
 
 Each (query range, key range) block is classified by ``Documents.classify``: skipped
 blocks cost nothing, a block inside one document runs the backend's flash kernel
-(non-causal, or causal on the diagonal), and a block that a boundary cuts runs that
-kernel once per document rectangle inside it (varlen-style; each query and key lies in
-one rectangle, so results are placed, not merged), or, when the documents are shorter
-than ``MIN_SEGMENT`` rows on average, the math kernel with a boolean block mask. Rows of a masked block that see no key get
-lse = -inf and out = 0; the diagonal block, always merged first, gives every row a
-finite lse, so the online-softmax merge never meets -inf on both sides (no NaN).
+(non-causal, or causal on the diagonal), and a block that a boundary cuts runs ONE
+varlen call over all its document rectangles, every sample at once (``fpdt.varlen``:
+flash varlen on a GPU, a padded-batch reference elsewhere); each query and key lies in
+one rectangle, so results are placed, not merged. Where the padded reference would hold
+more score entries than the block itself, the math kernel with a boolean block mask
+runs instead (also one call). Rows of a masked block that see no key get lse = -inf and
+out = 0; the diagonal block, always merged first, gives every row a finite lse, so the
+online-softmax merge never meets -inf on both sides (no NaN).
 
 Plain Ulysses holds the whole sequence in one block, so with documents it is cut into
 tiles (``DocumentAttention``): the same classification per tile pair keeps memory at
@@ -20,55 +22,46 @@ import torch
 
 from megatron_weipipe.fpdt.documents import CAUSAL, MASKED, SKIP, Documents
 from megatron_weipipe.fpdt.kernels import MathKernel, acc_dtype, merge
+from megatron_weipipe.fpdt.varlen import REFERENCE, varlen_backend
 
 _MATH = MathKernel()
 DEFAULT_TILE = 2048
+# The padded reference runs while its score entries are at most PAD_RATIO x the block's
+# (tests set 0: always the block mask, inf: always varlen).
+PAD_RATIO = 1.0
 
 
-MIN_SEGMENT = 64  # mean query rows per document rectangle below which a masked block uses the mask
-
-
-def _segments(docs: Documents, rng, batch: int):
-    """The block's document rectangles, or None when they are too small to pay per call."""
-    segs = docs.segments(*rng)
-    n = sum(len(s) for s in segs)
-    return segs if n and batch * (rng[1] - rng[0]) >= MIN_SEGMENT * n else None
+def masked_plan(kern, docs: Documents, rng, q: torch.Tensor, sk: int):
+    """(varlen backend, layout) of a masked block, or None where the block-masked math
+    kernel holds fewer score entries than the padded reference would."""
+    backend = varlen_backend(kern, q)
+    lay = docs.varlen(*rng)  # on the host: its sizes decide
+    if backend is REFERENCE and lay.padded_entries > PAD_RATIO * q.shape[0] * q.shape[2] * sk:
+        return None
+    return backend, docs.varlen(*rng, device=q.device, padded=backend is REFERENCE)
 
 
 def block_forward(kern, q, k, v, kind: str, docs: Documents | None, rng, scale: float):
     """(out, lse) of one block; ``rng`` = (q0, q1, k0, k1) global positions."""
     if kind != MASKED:
         return kern.forward(q, k, v, kind == CAUSAL, scale)
-    segs = _segments(docs, rng, q.shape[0])
-    if segs is None:
+    plan = masked_plan(kern, docs, rng, q, k.shape[2])
+    if plan is None:
         return _MATH.forward(q, k, v, False, scale, visible=docs.visible(*rng, device=q.device))
-    causal = rng[0] == rng[2]
-    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    for r, row in enumerate(segs):
-        for qa, qe, ka, ke in row:
-            o_s, l_s = kern.forward(q[r : r + 1, :, qa:qe], k[r : r + 1, :, ka:ke], v[r : r + 1, :, ka:ke], causal, scale)
-            out[r : r + 1, :, qa:qe] = o_s
-            lse[r : r + 1, :, qa:qe] = l_s
-    return out, lse
+    backend, lay = plan
+    out, lse = backend.forward(q, k, v, lay, rng[0] == rng[2], scale)
+    return out, lse.to(acc_dtype(q.dtype))
 
 
 def block_backward(kern, do, q, k, v, o, lse, kind: str, docs: Documents | None, rng, scale: float):
     """This block's share of (dq, dk, dv) given the final merged out and lse."""
     if kind != MASKED:
         return kern.backward(do, q, k, v, o, lse, kind == CAUSAL, scale)
-    segs = _segments(docs, rng, q.shape[0])
-    if segs is None:
+    plan = masked_plan(kern, docs, rng, q, k.shape[2])
+    if plan is None:
         return _MATH.backward(do, q, k, v, o, lse, False, scale, visible=docs.visible(*rng, device=q.device))
-    causal = rng[0] == rng[2]
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for r, row in enumerate(segs):
-        for qa, qe, ka, ke in row:
-            s = slice(r, r + 1)
-            g = kern.backward(do[s, :, qa:qe], q[s, :, qa:qe], k[s, :, ka:ke], v[s, :, ka:ke],
-                              o[s, :, qa:qe], lse[s, :, qa:qe], causal, scale)
-            dq[s, :, qa:qe], dk[s, :, ka:ke], dv[s, :, ka:ke] = g
-    return dq, dk, dv
+    backend, lay = plan
+    return backend.backward(do, q, k, v, o, lse, lay, rng[0] == rng[2], scale)
 
 
 def _tiles(S: int, tile: int):

@@ -184,7 +184,6 @@ def build_gpt_model(
     from megatron_weipipe.model.long_context import (
         build_settings,
         chunk_final_norm,
-        chunk_norms,
         install_chunked_loss,
         uses_long_context,
     )
@@ -242,7 +241,6 @@ def build_gpt_model(
         model.long_context = long_context  # read by the forward step to shard batches
         if long_context.fpdt is not None:
             install_chunked_loss(model, long_context.fpdt.loss_num_chunks(m.seq_length), long_context.tp_group)
-            if chunk_norms(cfg):
-                chunk_final_norm(model, long_context.num_chunks)
+            chunk_final_norm(model, long_context.num_chunks)
     return model
 

@@ -9,6 +9,7 @@ output layer + cross-entropy is chunked too, so [s, V] logits never exist.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -130,7 +131,8 @@ def long_context_layer_spec(cfg: PretrainConfig, settings: LongContextSettings, 
 
 
 def chunk_norms(cfg: PretrainConfig) -> bool:
-    """Whether FPDT runs the norms in sequence chunks (every schedule but WeiPipe's)."""
+    """Whether FPDT runs the layers' norms in sequence chunks (every schedule but WeiPipe's;
+    the final norm is chunked under every schedule, ``chunk_final_norm``)."""
     return cfg.fpdt.enabled and not (cfg.parallel.pipeline_schedule or "").startswith("weipipe")
 
 
@@ -209,10 +211,13 @@ def install_chunked_loss(model, num_chunks: int, tp_group) -> None:
 
     GPTModel builds [s, b, V] logits before the loss; here the output layer hands back its
     input and weight instead, and the loss runs chunked_cross_entropy over them. Calls
-    without labels (inference) still get real logits.
+    without labels (inference) still get real logits. ``model.chunked_loss(hidden, weight,
+    labels)`` is the same loss for callers that run the head themselves (WeiPipe's ring
+    model, schedules/gpt/weipipe/steps.py).
     """
     if not getattr(model, "post_process", False):
         return
+    model.chunked_loss = functools.partial(chunked_cross_entropy, num_chunks=num_chunks, tp_group=tp_group)
     output_layer = model.output_layer
     plain_output = output_layer.forward
     plain_model_forward = model.forward
@@ -225,7 +230,7 @@ def install_chunked_loss(model, num_chunks: int, tp_group) -> None:
 
     def loss(labels, logits):
         if isinstance(logits, _DeferredLogits):
-            return chunked_cross_entropy(logits.hidden, logits.weight, labels, num_chunks, tp_group)
+            return model.chunked_loss(logits.hidden, logits.weight, labels)
         return type(model).compute_language_model_loss(model, labels, logits)
 
     def model_forward(*args, **kwargs):
@@ -242,7 +247,9 @@ def install_chunked_loss(model, num_chunks: int, tp_group) -> None:
 
 
 def chunk_final_norm(model, num_chunks: int) -> None:
-    """The decoder's final norm in sequence chunks too (FPDT), like the layers' norms."""
+    """The decoder's final norm in sequence chunks too (FPDT), like the layers' norms. In
+    WeiPipe rings as well: the final norm is replicated on every ring rank, never rebound
+    to circulating weights, so its backward-time recomputation reads its own weights."""
     norm = getattr(getattr(model, "decoder", None), "final_layernorm", None)
     if norm is not None and not isinstance(norm, IdentityOp):
         chunk_forward(norm, num_chunks)

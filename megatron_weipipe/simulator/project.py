@@ -271,9 +271,10 @@ def _layer_terms(spec: RunSpec, o: memory.ActivationOptions, fp: Optional[FPDTRe
     def per_layer(shape, opts):
         return memory.long_context_layer_bytes(shape, opts, long_mode, norm_chunks)
 
-    if fp is not None and not spec.is_weipipe:
-        logits = memory.chunked_loss_bytes(s, o, spec.fpdt.loss_num_chunks(s.seq_length), norm_chunks)
-    else:  # Ulysses; and WeiPipe's ring model computes megatron-core's loss, unchunked, under FPDT too
+    if fp is not None:  # the final norm is chunked under every schedule (model/long_context.py chunk_final_norm)
+        logits = memory.chunked_loss_bytes(s, o, spec.fpdt.loss_num_chunks(s.seq_length),
+                                           spec.fpdt.num_chunks(s.seq_length))
+    else:  # Ulysses: megatron-core's loss, unchunked
         logits = memory.unchunked_loss_bytes(s, o)
     return long_mode, norm_chunks, per_layer(s, o), memory.recomputed_bytes(s, o, per_layer), logits
 

@@ -1,4 +1,6 @@
 """The GPT model around the decoder chunks: embedding in, final norm + output + loss out.
+Under FPDT the final norm, output layer and loss run in sequence chunks, as under the
+other schedules (model/long_context.py: chunk_final_norm, install_chunked_loss).
 
 The user's Megatron-style ``forward_step(data_iterator, model)`` stays the one place
 that reads a batch and defines the loss: it is called with a stand-in model that only
@@ -98,6 +100,9 @@ class GPTEnds:
         if norm is not None:
             hidden = make_viewless_tensor(inp=norm(hidden), requires_grad=True, keep_graph=True)
         weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
+        chunked = getattr(m, "chunked_loss", None)  # FPDT: output layer + loss in sequence chunks
+        if chunked is not None:
+            return chunked(hidden, m.output_layer.weight if weight is None else weight, mb.labels)
         logits, _ = m.output_layer(hidden, weight=weight, runtime_gather_output=None)
         return m.compute_language_model_loss(mb.labels, logits)
 
