@@ -100,7 +100,7 @@ class FullyShardedModel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup, device_type: str, counter: ByteCounter,
                  ddp_config, reshard_after_forward: bool = True, compute_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, offload_policy=None):
         from torch.distributed import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -118,6 +118,8 @@ class FullyShardedModel(torch.nn.Module):
         attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}  # fully_shard drops them
         units = _sharded_units(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        if offload_policy is not None:  # --optimizer-cpu-offload: shards, gradients, Adam state on the host
+            kwargs["offload_policy"] = offload_policy
         if compute_dtype != torch.float32:
             # No input casts: the units' floating inputs (hidden states) are already in
             # the compute dtype, and RoPE's fp32 frequencies must stay fp32.
@@ -169,9 +171,10 @@ class FullyShardedModel(torch.nn.Module):
 
 
 def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config, compute_dtype: torch.dtype = torch.float32,
-              reduce_dtype: torch.dtype = torch.float32) -> list[FullyShardedModel]:
+              reduce_dtype: torch.dtype = torch.float32, offload_policy=None) -> list[FullyShardedModel]:
     """Shard each chunk over the data x context parallel group (fp32 shards; all-gathered
-    in ``compute_dtype``, gradients reduce-scattered in ``reduce_dtype`` under mixed precision)."""
+    in ``compute_dtype``, gradients reduce-scattered in ``reduce_dtype`` under mixed precision;
+    kept in host memory under ``offload_policy``, FSDP2's CPUOffloadPolicy)."""
     return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config,
-                              compute_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+                              compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, offload_policy=offload_policy)
             for chunk in chunks]
