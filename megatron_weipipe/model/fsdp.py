@@ -36,6 +36,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron_weipipe import residency
 from megatron_weipipe.byte_counter import ByteCounter
 
 FSDP_KIND = "fsdp"
@@ -48,8 +49,10 @@ def fsdp_bytes(shard_bytes: int, group_size: int) -> int:
     return shard_bytes * (group_size - 1)
 
 
-def _counting_comms(counter: ByteCounter, group_size: int):
-    """An all-gather and a reduce-scatter that count their bytes, then run FSDP2's default."""
+def _counting_comms(counter: ByteCounter, group_size: int, host_grads: bool = False):
+    """An all-gather and a reduce-scatter that count their bytes, then run FSDP2's default.
+    ``host_grads`` (CPUOffloadPolicy): the reduced gradients are host memory
+    (``residency.host_buffer``; the device output is copied there and freed)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     def count(shard: torch.Tensor) -> None:  # what this rank sends (and receives) for one collective
@@ -66,6 +69,8 @@ def _counting_comms(counter: ByteCounter, group_size: int):
     class CountedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, *args, **kwargs):
             count(output_tensor)
+            if host_grads:
+                residency.host_buffer(output_tensor)
             with counter.uncounted():
                 return super().__call__(output_tensor, input_tensor, *args, **kwargs)
 
@@ -138,8 +143,11 @@ class FullyShardedModel(torch.nn.Module):
         for name, p in module.named_parameters():
             for key, value in attrs.get(name, {}).items():
                 setattr(p, key, value)
+            if offload_policy is not None:
+                residency.host_buffer(p.to_local())  # the fp32 shard lives in host memory
         if hasattr(module, "set_custom_all_gather"):  # else (older torch) the process counter sees them
-            all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(group))
+            all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(group),
+                                                         host_grads=offload_policy is not None)
             for unit in [*units, module]:
                 unit.set_custom_all_gather(all_gather)
                 unit.set_custom_reduce_scatter(reduce_scatter)

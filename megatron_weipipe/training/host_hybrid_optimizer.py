@@ -9,11 +9,18 @@ adapter), so this subclass enters those parameters in the maps too: each one the
 the path a GPU parameter takes (its gradient copied into the optimizer's fp32 buffer, the
 step, the update copied back and rounded to the weights' dtype), with host memory as the
 "device". Installed only where CUDA is absent.
+
+It also names the host memory a GPU host would use (``residency.host_buffer``, which the
+dry run counts as host bytes): the fp32 copies, their gradient buffers and Adam state of
+the first ``offload_fraction`` of the parameters (megatron-core's greedy split, by element
+count), marked once their last piece exists, after the first step.
 """
 
 from __future__ import annotations
 
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+from megatron_weipipe import residency
 
 
 class HostHybridDeviceOptimizer(HybridDeviceOptimizer):
@@ -28,6 +35,26 @@ class HostHybridDeviceOptimizer(HybridDeviceOptimizer):
                 param = self.inner_param_to_orig_param[inner]
                 self.cpu_copys_map_gpu_param[inner] = param
                 self.gpu_params_map_cpu_copy[param] = inner
+        self._host_marked = False
+
+    def step(self, closure=None):
+        super().step(closure)
+        if not self._host_marked:
+            self._mark_host_state()
+
+    def _mark_host_state(self) -> None:
+        self._host_marked = True
+        params = [p for g in self.param_groups for p in g["params"]]
+        threshold, offloaded = self.offload_fraction * sum(p.numel() for p in params), 0
+        for param in params:
+            if offloaded >= threshold:
+                break
+            offloaded += param.numel()
+            inner = self.param_to_inner_param[param]
+            state = [v for v in self.state.get(param, {}).values() if hasattr(v, "untyped_storage")]
+            for t in (inner, self.cpu_copy_map_grad.get(inner), *state):
+                if t is not None and t is not param:
+                    residency.host_buffer(t)
 
 
 def use_on_this_host(cuda: bool) -> None:

@@ -65,8 +65,27 @@ def build_optimizer(cfg: PretrainConfig, model_chunks, pin_memory: bool = False)
         from megatron_weipipe.training.host_hybrid_optimizer import use_on_this_host
 
         use_on_this_host(torch.cuda.is_available())
-    return get_megatron_optimizer(config, model_chunks, config_overrides=get_standard_config_overrides(config),
-                                  use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(config, model_chunks, config_overrides=get_standard_config_overrides(config),
+                                       use_gloo_process_groups=False)
+    if cfg.parallel.use_torch_fsdp2 and cfg.offload.optimizer_cpu_offload:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            _name_host_state(opt.optimizer)
+    return optimizer
+
+
+def _name_host_state(inner: torch.optim.Optimizer) -> None:
+    """FSDP2's CPUOffloadPolicy: Adam's moments follow their host parameters; named as host
+    memory (``residency.host_buffer``) after the first step creates them."""
+    from megatron_weipipe import residency
+
+    def mark(opt, args, kwargs):
+        for state in opt.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor):
+                    residency.host_buffer(t.to_local() if hasattr(t, "to_local") else t)
+        handle.remove()
+
+    handle = inner.register_step_post_hook(mark)
 
 
 def _device_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
