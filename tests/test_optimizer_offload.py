@@ -166,3 +166,44 @@ def test_refuses_what_cannot_run(overrides, needle):
     with pytest.raises(ConfigError) as e:
         parse_config(_args(**overrides), world_size=2)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def _dry_run(*flags):
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tiny = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 1 "
+            "--global-batch-size 2 --tokenizer-type NullTokenizer --vocab-size 1024 --mock-data --lr 1e-3 "
+            "--train-iters 1 --bf16 --hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights "
+            "--world-size 2").split()
+    p = subprocess.run([sys.executable, "-m", "tools.dry_run", *tiny, *flags, "--json"], capture_output=True,
+                       text=True, timeout=120, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("form", ["fsdp2", "dist-opt"])
+def test_dry_run_counts_the_host_side(form):
+    """Rank 0 of 2 (vocabulary 1025 padded to 1152, learned positions). FSDP2: the fp32
+    weight, gradient and two Adam moments of its shard on the host (16 B per parameter / 2),
+    none of them on the device. Distributed optimizer: bf16 weights and fp32 gradient buffer
+    stay on the device, its shard's fp32 master, two moments and fp32 gradient copy (16 B /
+    2) go to the host. Adam's 4-byte step counters (one per tensor) sit beside the moments;
+    the estimator (simulator/offload.py) leaves them out."""
+    h, vocab, n_tensors = 64, 1152, 30
+    layer = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * 4 * h + 4 * h) + (4 * h * h + h)
+    model = vocab * h + 64 * h + 2 * layer + vocab * h + 2 * h
+    flags = ["--use-torch-fsdp2", "--optimizer-cpu-offload"] if form == "fsdp2" else \
+        ["--use-distributed-optimizer", "--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+    out = _dry_run(*flags)
+    cats, est = out["categories"], out["estimator"]
+    assert 0 <= out["host_bytes"] - 16 * model // 2 <= 4 * n_tensors, (out["host_bytes"], 16 * model // 2)
+    assert 0 <= out["host_bytes"] - est["host_bytes"] <= 4 * n_tensors
+    assert cats["optimizer_state"] <= 4 * n_tensors and est["categories"]["optimizer_state"] == 0
+    if form == "fsdp2":
+        assert out["category_peaks"]["gradients"] == 0 and est["categories"]["gradients"] == 0
+    else:
+        assert cats["parameters"] == 2 * model and cats["gradients"] == 4 * model
+        assert est["categories"]["parameters"] == cats["parameters"]

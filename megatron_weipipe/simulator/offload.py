@@ -61,12 +61,30 @@ def fsdp2_offload_transit_bytes(unit_params: float, shards: int) -> float:
 
 
 def host_traffic_bytes(params: float, state: StateBytes, offload, *, fsdp2: bool, compute_bytes: int,
-                       microbatches: int, shards: int) -> Optional[float]:
-    """Bytes one rank moves between host and device per optimizer step (None: no offload).
-    ``params``: the rank's parameters (unsharded)."""
+                       microbatches: int, shards: int) -> Optional[tuple[float, float]]:
+    """(host to device, device to host) bytes one rank moves per optimizer step (None: no
+    offload); ``params``: the rank's parameters, unsharded."""
     if offload is None or not offload.optimizer_cpu_offload:
         return None
-    if fsdp2:  # per microbatch: the shard in twice (forward, backward), the gradient shard out
-        return microbatches * 3 * params * FP32 / shards
-    f = offload.optimizer_offload_fraction
-    return f * params / state.optimizer_shards * (FP32 + compute_bytes)  # gradients out, weights back
+    if fsdp2:  # per microbatch: the fp32 shard in twice (forward, backward), the gradient shard out
+        shard = params * FP32 / shards
+        return microbatches * 2 * shard, microbatches * shard
+    moved = offload.optimizer_offload_fraction * params / state.optimizer_shards
+    return moved * compute_bytes, moved * FP32  # updated weights in, gradients out
+
+
+def summary_line(spec, params: float, state: StateBytes, host_link, iteration_s: float) -> Optional[str]:
+    """The simulator report's line: host bytes of the model state, the step's host traffic,
+    and how long the host link takes for it against the iteration's compute."""
+    offload = spec.config.offload if spec.config is not None else None
+    lay = spec.layout
+    traffic = host_traffic_bytes(params, state, offload, fsdp2=spec.torch_fsdp2, compute_bytes=spec.compute_bytes,
+                                 microbatches=spec.num_microbatches, shards=lay.dp * lay.cp)
+    if traffic is None:
+        return None
+    seconds = max(traffic) / (host_link.bandwidth_gbs * 1e9)
+    form = "FSDP2 CPUOffloadPolicy" if spec.torch_fsdp2 else "hybrid-device optimizer"
+    return (f"model state offload ({form}): {params * state_split(state, offload, spec.torch_fsdp2).host / 1e9:.1f} "
+            f"GB per rank on the host; per iteration {traffic[0] / 1e9:.1f} GB host to device and "
+            f"{traffic[1] / 1e9:.1f} GB back, {seconds:.2f} s at {host_link.name} {host_link.bandwidth_gbs:g} GB/s "
+            f"against a {iteration_s:.1f} s iteration ({seconds / iteration_s:.2%})")

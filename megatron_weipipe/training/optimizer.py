@@ -67,6 +67,13 @@ def build_optimizer(cfg: PretrainConfig, model_chunks, pin_memory: bool = False)
         use_on_this_host(torch.cuda.is_available())
     optimizer = get_megatron_optimizer(config, model_chunks, config_overrides=get_standard_config_overrides(config),
                                        use_gloo_process_groups=False)
+    if config.optimizer_cpu_offload:
+        # megatron-core builds a hybrid-device optimizer over the whole model's parameters and
+        # replaces it with one over this rank's shard; the first one's fp32 copies of every
+        # parameter live on in a reference cycle (its hooks) until the cyclic collector runs
+        import gc
+
+        gc.collect()
     if cfg.parallel.use_torch_fsdp2 and cfg.offload.optimizer_cpu_offload:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             _name_host_state(opt.optimizer)
