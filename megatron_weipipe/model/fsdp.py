@@ -49,10 +49,8 @@ def fsdp_bytes(shard_bytes: int, group_size: int) -> int:
     return shard_bytes * (group_size - 1)
 
 
-def _counting_comms(counter: ByteCounter, group_size: int, host_grads: bool = False):
-    """An all-gather and a reduce-scatter that count their bytes, then run FSDP2's default.
-    ``host_grads`` (CPUOffloadPolicy): the reduced gradients are host memory
-    (``residency.host_buffer``; the device output is copied there and freed)."""
+def _counting_comms(counter: ByteCounter, group_size: int):
+    """An all-gather and a reduce-scatter that count their bytes, then run FSDP2's default."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     def count(shard: torch.Tensor) -> None:  # what this rank sends (and receives) for one collective
@@ -69,8 +67,6 @@ def _counting_comms(counter: ByteCounter, group_size: int, host_grads: bool = Fa
     class CountedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, *args, **kwargs):
             count(output_tensor)
-            if host_grads:
-                residency.host_buffer(output_tensor)
             with counter.uncounted():
                 return super().__call__(output_tensor, input_tensor, *args, **kwargs)
 
@@ -96,6 +92,27 @@ def _masters(module: torch.nn.Module) -> None:
     for p in module.parameters():
         if p.dtype != torch.float32:
             p.data = p.data.to(torch.float32)
+
+
+def _name_host_grads(unit: torch.nn.Module) -> None:
+    """CPUOffloadPolicy: after a unit's post-backward its reduced gradient shards are host
+    memory (a GPU copies the device output there and frees it); named so for the dry run
+    (``residency.host_buffer``), whatever the group size (FSDP2 skips the reduce-scatter of
+    a group of one)."""
+    group = unit._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return
+    post_backward = group.post_backward
+
+    def named(*args, **kwargs):
+        out = post_backward(*args, **kwargs)
+        for fsdp_param in group.fsdp_params:
+            grad = fsdp_param.sharded_param.grad
+            if grad is not None:
+                residency.host_buffer(grad.to_local())
+        return out
+
+    group.post_backward = named
 
 
 class FullyShardedModel(torch.nn.Module):
@@ -146,11 +163,14 @@ class FullyShardedModel(torch.nn.Module):
             if offload_policy is not None:
                 residency.host_buffer(p.to_local())  # the fp32 shard lives in host memory
         if hasattr(module, "set_custom_all_gather"):  # else (older torch) the process counter sees them
-            all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(group),
-                                                         host_grads=offload_policy is not None)
+            all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(group))
             for unit in [*units, module]:
                 unit.set_custom_all_gather(all_gather)
                 unit.set_custom_reduce_scatter(reduce_scatter)
+
+        if offload_policy is not None:
+            for unit in [*units, module]:
+                _name_host_grads(unit)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
