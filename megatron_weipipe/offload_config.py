@@ -11,7 +11,7 @@ Two forms, chosen by the data-parallel mode:
   copied to the device for its all-gather and its reduced gradient copied back, unit by unit.
 
 Host buffers are pinned only where CUDA exists (``Platform.pin_memory``). The accounting of
-what stays on the device and what sits on the host is simulator/offload.py's.
+what stays on the device and what sits on the host is simulator/host_state.py's.
 """
 
 from __future__ import annotations

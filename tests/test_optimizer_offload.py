@@ -191,7 +191,7 @@ def test_dry_run_counts_the_host_side(form):
     none of them on the device. Distributed optimizer: bf16 weights and fp32 gradient buffer
     stay on the device, its shard's fp32 master, two moments and fp32 gradient copy (16 B /
     2) go to the host. Adam's 4-byte step counters (one per tensor) sit beside the moments;
-    the estimator (simulator/offload.py) leaves them out."""
+    the estimator (simulator/host_state.py) leaves them out."""
     h, vocab, n_tensors = 64, 1152, 30
     layer = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * 4 * h + 4 * h) + (4 * h * h + h)
     model = vocab * h + 64 * h + 2 * layer + vocab * h + 2 * h

@@ -21,7 +21,7 @@ from megatron_weipipe.weight_pass import WeightPass
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule
 
-from . import collectives, memory, offload
+from . import collectives, host_state, memory
 from .costs import CostModel
 from megatron_weipipe.simulator.cluster_replay import EventModel, Trace, replay
 from .fpdt import FPDTReport, analyse
@@ -242,11 +242,11 @@ def state_bytes(spec: RunSpec) -> memory.StateBytes:
     return state
 
 
-def state_split(spec: RunSpec) -> offload.StateSplit:
+def state_split(spec: RunSpec) -> host_state.StateSplit:
     """The model state's bytes per parameter on the device (by role) and on the host
     (--optimizer-cpu-offload, carried in the spec's config)."""
     cfg = spec.config.offload if spec.config is not None else None
-    return offload.state_split(state_bytes(spec), cfg, spec.torch_fsdp2)
+    return host_state.state_split(state_bytes(spec), cfg, spec.torch_fsdp2)
 
 
 def _activation_options(spec: RunSpec) -> memory.ActivationOptions:
@@ -288,7 +288,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     split = state_split(spec)
     gathered = memory.fsdp2_gathered_bytes(s, lay.tp, spec.compute_bytes) if spec.torch_fsdp2 else 0.0
     if spec.torch_fsdp2 and split.host:
-        gathered += offload.fsdp2_offload_transit_bytes(s.layer_params(lay.tp), lay.dp * lay.cp)
+        gathered += host_state.fsdp2_offload_transit_bytes(s.layer_params(lay.tp), lay.dp * lay.cp)
     act_opts = _activation_options(spec)
     k = spec.layers_per_chunk
     per_input = memory.layer_input_bytes(s, act_opts)

@@ -8,7 +8,7 @@ from typing import Sequence
 from megatron_weipipe.batch_sizes import schedule_flag
 
 from .hardware import GB, Cluster, GiB
-from . import offload
+from . import host_state
 from .project import ScheduleResult, state_bytes
 
 
@@ -87,7 +87,7 @@ def format_results(results: Sequence[ScheduleResult], cluster: Cluster, calibrat
             f"transient {fmt_bytes(worst.transient)}")
         tail = "; ".join(f"{k} {fmt_time(v)}" for k, v in r.phases.items() if v > 0)
         lines.append(f"  pipeline {fmt_time(r.pipeline_s)}" + (f"; {tail}" if tail else ""))
-    line = offload.summary_line(spec, results[0].memory[0].params, state_bytes(spec), cluster.host_link,
+    line = host_state.summary_line(spec, results[0].memory[0].params, state_bytes(spec), cluster.host_link,
                                 results[0].iteration_s)
     if line is not None:
         lines += ["", line]

@@ -7,6 +7,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_weipipe.config import PretrainConfig
+from megatron_weipipe.platform import detect_platform
 
 
 def optimizer_config(cfg: PretrainConfig, pin_memory: bool = False) -> OptimizerConfig:
@@ -64,7 +65,7 @@ def build_optimizer(cfg: PretrainConfig, model_chunks, pin_memory: bool = False)
     if config.optimizer_cpu_offload:
         from megatron_weipipe.training.host_hybrid_optimizer import use_on_this_host
 
-        use_on_this_host(torch.cuda.is_available())
+        use_on_this_host(detect_platform().is_cuda)
     optimizer = get_megatron_optimizer(config, model_chunks, config_overrides=get_standard_config_overrides(config),
                                        use_gloo_process_groups=False)
     if config.optimizer_cpu_offload:
@@ -128,7 +129,7 @@ def clip_grads_by_norm(params, max_norm: float, total_norm: float, decoupled: bo
 
     grads = [getattr(p, "decoupled_grad" if decoupled else "grad", None) for p in params]
     grads = [to_local_if_dtensor(g).detach() for g in grads if g is not None]
-    if not (torch.cuda.is_available() and any(g.device.type == "cpu" for g in grads)):
+    if not (detect_platform().is_cuda and any(g.device.type == "cpu" for g in grads)):
         clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm, use_decoupled_grad=decoupled)
         return
     coeff = max_norm / (total_norm + 1.0e-6)
