@@ -94,25 +94,27 @@ def _masters(module: torch.nn.Module) -> None:
             p.data = p.data.to(torch.float32)
 
 
-def _name_host_grads(unit: torch.nn.Module) -> None:
-    """CPUOffloadPolicy: after a unit's post-backward its reduced gradient shards are host
-    memory (a GPU copies the device output there and frees it); named so for the dry run
-    (``residency.host_buffer``), whatever the group size (FSDP2 skips the reduce-scatter of
-    a group of one)."""
-    group = unit._get_fsdp_state()._fsdp_param_group
-    if group is None:
-        return
-    post_backward = group.post_backward
+def _name_host_grads(units: list[torch.nn.Module]) -> None:
+    """CPUOffloadPolicy: the reduced gradient shards are host memory (a GPU copies the device
+    output there and frees it); named so for the dry run (``residency.host_buffer``) after
+    every unit's post-backward, every unit's at once: FSDP2 may set a unit's gradients in a
+    later unit's post-backward, and skips the reduce-scatter of a group of one."""
+    groups = [g for g in (u._get_fsdp_state()._fsdp_param_group for u in units) if g is not None]
 
-    def named(*args, **kwargs):
-        out = post_backward(*args, **kwargs)
-        for fsdp_param in group.fsdp_params:
-            grad = fsdp_param.sharded_param.grad
-            if grad is not None:
-                residency.host_buffer(grad.to_local())
-        return out
+    def name_all() -> None:
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None:
+                    residency.host_buffer(grad.to_local())
 
-    group.post_backward = named
+    for group in groups:
+        def named(*args, _post_backward=group.post_backward, **kwargs):
+            out = _post_backward(*args, **kwargs)
+            name_all()
+            return out
+
+        group.post_backward = named
 
 
 class FullyShardedModel(torch.nn.Module):
@@ -169,8 +171,7 @@ class FullyShardedModel(torch.nn.Module):
                 unit.set_custom_reduce_scatter(reduce_scatter)
 
         if offload_policy is not None:
-            for unit in [*units, module]:
-                _name_host_grads(unit)
+            _name_host_grads([*units, module])
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
