@@ -9,6 +9,7 @@ schedule's, and the data files'.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 from typing import Optional, Sequence
@@ -116,9 +117,16 @@ def check_config(cfg: PretrainConfig, *, check_data: bool = True) -> None:
             raise ConfigError(str(e)) from e
 
 
+@functools.lru_cache(maxsize=1)
+def _parser() -> argparse.ArgumentParser:
+    """One parser for every parse_config call (a parse does not change it; building one is
+    most of a parse's time, which tools/plan.py pays once per layout it asks about)."""
+    return build_parser()
+
+
 def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> PretrainConfig:
     """Parse, resolve and validate; raises ConfigError (one sentence) on anything that cannot work."""
-    args = build_parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     cfg = resolve_defaults(config_from_args(args, world_size))
     cfg.training.require_run_length()
     check_config(cfg)

@@ -34,6 +34,7 @@ class ByteCounter:
         self.messages_received: dict[str, int] = defaultdict(int)
         self._scopes = threading.local()
         self._installed = False
+        self._group_kinds: dict[str, tuple] = {}  # group name -> (kind, wire bytes of a payload)
 
     # -- attribution ------------------------------------------------------------------
     def _kind(self, default: str) -> str:
@@ -55,6 +56,13 @@ class ByteCounter:
         """A scope whose calls the hooks leave out: traffic already counted by its issuer
         (FSDP counts its own collectives, whichever torch.distributed call runs them)."""
         return self.scope(_UNCOUNTED)
+
+    def count_group_as(self, group, kind: str, wire_bytes) -> None:
+        """Count the collectives on ``group`` as ``kind``, ``wire_bytes(payload, group size)``
+        each: traffic a library issues through torch.distributed on a group of its own
+        (HSDP's all-reduce across replicas). Keyed by the group's name, so a destroyed
+        group is not kept alive."""
+        self._group_kinds[group.group_name] = (kind, wire_bytes)
 
     def add_sent(self, kind: str, nbytes: int) -> None:
         self.sent[kind] += int(nbytes)
@@ -140,12 +148,22 @@ class ByteCounter:
                 return fn(*args, **kwargs)
             t = args[arg_index] if len(args) > arg_index else next(iter(kwargs.values()), None)
             size = sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else _nbytes(t)
+            attributed = counter._group_kinds and counter._attributed(signature, args, kwargs)
+            if attributed:
+                (kind, wire), group = attributed
+                size = wire(size, dist.get_world_size(group))
             counter.add_sent(kind, size)
             counter.add_received(kind, size)
             return fn(*args, **kwargs)
 
         inner._counted = True
         return inner
+
+    def _attributed(self, signature, args, kwargs):
+        """((kind, wire bytes), group) when the call's group is one of count_group_as's."""
+        group = _group_arg(signature, args, kwargs)
+        entry = self._group_kinds.get(group.group_name) if group is not None else None
+        return (entry, group) if entry is not None else None
 
     def _wrap_megatron_buffer_calls(self) -> None:
         """megatron-core binds its distributed optimizer's reduce-scatter and all-gather at
@@ -171,15 +189,20 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _group_of_one(signature, args, kwargs) -> bool:
-    """Whether a collective call's group has one rank (it sends nothing)."""
+def _group_arg(signature, args, kwargs):
+    """The ``group`` a collective call names (None: the default group)."""
     group = kwargs.get("group")
     if group is None and signature is not None:
         try:
             group = signature.bind_partial(*args, **kwargs).arguments.get("group")
         except TypeError:
-            return False
-    return dist.is_initialized() and dist.get_world_size(group) == 1
+            return None
+    return group
+
+
+def _group_of_one(signature, args, kwargs) -> bool:
+    """Whether a collective call's group has one rank (it sends nothing)."""
+    return dist.is_initialized() and dist.get_world_size(_group_arg(signature, args, kwargs)) == 1
 
 
 _PROCESS_COUNTER = ByteCounter()

@@ -18,7 +18,7 @@ from megatron_weipipe.data.config import DataConfig
 from megatron_weipipe.errors import ConfigError, require
 from megatron_weipipe.flags import option
 from megatron_weipipe.fp8_config import FP8Config
-from megatron_weipipe.fpdt.config import FPDTConfig
+from megatron_weipipe.fpdt.config import FPDTConfig, cp_heads_fit
 from megatron_weipipe.logging_config import LoggingConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
 from megatron_weipipe.model_config import ModelConfig
@@ -386,12 +386,7 @@ class PretrainConfig:
             self._validate_megatron_context_parallel()
         elif p.context_parallel_size > 1:
             cp = p.context_parallel_size
-            require(m.num_attention_heads % (cp * tp) == 0,
-                    f"--num-attention-heads ({m.num_attention_heads}) must be divisible by context x tensor "
-                    f"parallel size ({cp} x {tp}) for Ulysses attention")
-            require(m.query_groups % (cp * tp) == 0,
-                    f"--num-query-groups ({m.query_groups}) must be divisible by context x tensor parallel "
-                    f"size ({cp} x {tp}) for Ulysses attention")
+            cp_heads_fit(m.num_attention_heads, m.query_groups, cp, tp)
             require(m.seq_length % cp == 0,
                     f"--seq-length ({m.seq_length}) must be divisible by --context-parallel-size ({cp})")
         if self._long_context():

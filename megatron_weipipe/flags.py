@@ -60,9 +60,16 @@ def flag_name(f: dataclasses.Field) -> str:
 
 
 def flag_fields(cls) -> list[tuple[dataclasses.Field, FlagSpec, Any]]:
-    """(field, spec, resolved type) for every flag field of a dataclass, in declaration order."""
-    hints = typing.get_type_hints(cls)
-    return [(f, flag_spec(f), hints[f.name]) for f in dataclasses.fields(cls) if flag_spec(f) is not None]
+    """(field, spec, resolved type) for every flag field of a dataclass, in declaration order
+    (resolved once per class: a parse resolves every section's annotations otherwise)."""
+    if cls not in _FLAG_FIELDS:
+        hints = typing.get_type_hints(cls)
+        _FLAG_FIELDS[cls] = [(f, flag_spec(f), hints[f.name]) for f in dataclasses.fields(cls)
+                             if flag_spec(f) is not None]
+    return list(_FLAG_FIELDS[cls])
+
+
+_FLAG_FIELDS: dict = {}
 
 
 def _base_type(tp):

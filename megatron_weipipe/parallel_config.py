@@ -45,10 +45,20 @@ class ParallelConfig:
     num_distributed_optimizer_instances: int = option(
         1, help="with --use-distributed-optimizer: shard the optimizer state inside this many groups of "
                 "data-parallel ranks and replicate it across them (megatron-core's partial distributed "
-                "optimizer: reduce-scatter inside a group, all-reduce across groups)")
+                "optimizer: reduce-scatter inside a group, all-reduce across groups); with --use-torch-fsdp2: "
+                "HSDP, FSDP2 over a (groups x data x context / groups) mesh, each group holding the whole "
+                "model sharded over its ranks")
     use_torch_fsdp2: bool = option(False, help="torch FSDP2 (fully_shard per transformer layer, then the model): "
                                               "parameters, gradients and optimizer state sharded over data x "
                                               "context parallel ranks (docs/how-it-works/fsdp.md)")
+    torch_fsdp2_no_reshard_after_forward: bool = option(
+        False, help="with --use-torch-fsdp2: keep each unit's gathered weights from its forward to its backward "
+             "(ZeRO-2 style: one all-gather per microbatch instead of two, the whole model's weights held "
+             "at the start of the backward)")
+    torch_fsdp2_no_grad_sync_per_microbatch: bool = option(
+        False, help="with --use-torch-fsdp2: reduce-scatter the gradients once per iteration, after the last "
+             "microbatch, instead of after every microbatch (the unsharded gradients of the whole model are "
+             "accumulated until then)")
     overlap_grad_reduce: bool = option(False, help="overlap the gradient all-reduce with backward")
     use_nccl_ub: bool = option(False, help="allocate megatron-core DDP's gradient and parameter buffers from NCCL's "
                                            "registered memory pool (user buffers: fewer GPU SMs spent on "
@@ -115,17 +125,18 @@ class ParallelConfig:
             require(not self.overlap_param_gather, "--overlap-param-gather cannot be combined with "
                                                    "--use-torch-fsdp2 (FSDP2 prefetches its own parameter "
                                                    "all-gathers)")
-            require(self.num_distributed_optimizer_instances == 1,
-                    "--num-distributed-optimizer-instances cannot be combined with --use-torch-fsdp2 (FSDP2 "
-                    "shards over every data x context parallel rank)")
         require(not self.overlap_param_gather or self.use_distributed_optimizer,
                 "--overlap-param-gather needs --use-distributed-optimizer (it defers the distributed optimizer's "
                 "parameter all-gather), as in Megatron-LM")
         require(not self.overlap_param_gather or self.overlap_grad_reduce,
                 "--overlap-param-gather needs --overlap-grad-reduce, as in Megatron-LM")
-        require(self.num_distributed_optimizer_instances == 1 or self.use_distributed_optimizer,
+        require(self.num_distributed_optimizer_instances == 1 or self.use_distributed_optimizer
+                or self.use_torch_fsdp2,
                 "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer (it replicates the "
-                "distributed optimizer's shards)")
+                "distributed optimizer's shards) or --use-torch-fsdp2 (HSDP)")
+        for name in ("torch_fsdp2_no_reshard_after_forward", "torch_fsdp2_no_grad_sync_per_microbatch"):
+            require(not getattr(self, name) or self.use_torch_fsdp2,
+                    f"--{name.replace('_', '-')} needs --use-torch-fsdp2")
 
     def validate_data_parallel_size(self, data_parallel_size: int) -> None:
         n = self.num_distributed_optimizer_instances

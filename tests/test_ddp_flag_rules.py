@@ -52,8 +52,7 @@ def test_partial_distributed_optimizer_rules():
         "--num-distributed-optimizer-instances (3) must divide data x context parallel size (4 x 1)")
     assert _refusal(num_distributed_optimizer_instances=0).startswith(
         "--num-distributed-optimizer-instances must be at least 1")
-    assert "--use-torch-fsdp2" in _refusal(num_distributed_optimizer_instances=2, use_torch_fsdp2=True,
-                                           untie_embeddings_and_output_weights=True)
+    assert "--use-torch-fsdp2" in _refusal(num_distributed_optimizer_instances=2)  # HSDP is the other use
 
 
 def test_the_dry_run_counts_each_instance_holding_its_own_optimizer_state():

@@ -23,7 +23,8 @@ MEGATRON_FLAGS = """
 --recompute-activations --recompute-granularity --recompute-method --recompute-num-layers --recompute-modules --no-layout-invariant-init
 --apply-layernorm-1p --qk-layernorm --use-cpu-initialization
 --tensor-model-parallel-size --pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage
---context-parallel-size --pipeline-schedule --sequence-parallel --use-distributed-optimizer --use-torch-fsdp2 --overlap-grad-reduce
+--context-parallel-size --pipeline-schedule --sequence-parallel --use-distributed-optimizer --use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward
+--torch-fsdp2-no-grad-sync-per-microbatch --overlap-grad-reduce
 --distributed-backend --distributed-timeout-minutes --weipipe-grad-dtype --fpdt --fpdt-chunk-size --fpdt-offload
 --micro-batch-size --global-batch-size --train-iters --train-samples --lr --min-lr --decoupled-lr
 --decoupled-min-lr --lr-decay-style --lr-warmup-iters --lr-warmup-samples --lr-decay-samples

@@ -85,8 +85,9 @@ def test_bad_configs_raise_one_line_value_errors():
     _one_line_error(lambda: FPDTConfig(chunk_size=6).validate(24, 4), "must be divisible by --context-parallel-size")
     _one_line_error(lambda: FPDTConfig(chunk_size=5).validate(24, 1), "must be a multiple of --fpdt-chunk-size")
     _one_line_error(lambda: FPDTConfig(chunk_size=64).validate(32, 2), "must not exceed --seq-length")
-    _one_line_error(lambda: AttentionSpec(32, 6, 8, 6).validate(4), "num_heads=6 .* divisible by the context-parallel size 4")
-    _one_line_error(lambda: spec.validate(4), "num_query_groups=2 .* divisible by the context-parallel size 4")
+    _one_line_error(lambda: AttentionSpec(32, 6, 8, 6).validate(4), r"num_heads \(per TP rank\) \(6\) must be divisible by context")
+    _one_line_error(lambda: AttentionSpec(32, 12, 8, 3).validate(4), r"num_query_groups \(per TP rank\) \(3\) must divide or be")
+    assert spec.kv_replicas(4) == 2 and spec.kv_replicas(2) == 1  # 2 KV heads over 4 ranks: each sent to 2
     _one_line_error(lambda: AttentionSpec(32, 4, 8, attn_mask_type="padding").validate(1), "causal only")
     _one_line_error(lambda: AttentionSpec(32, 4, 8, attention_dropout=0.1).validate(1), "attention_dropout")
     _one_line_error(lambda: AttentionSpec(32, 4, 8, 3).validate(1), "multiple of num_query_groups")

@@ -115,13 +115,14 @@ def test_each_name_leads_to_its_training_class_and_rules():
 def test_every_schedule_fact_the_simulator_and_tools_read_is_declared():
     from megatron_weipipe.schedules.timing.replay import POSTING_RULES
 
-    assert registry.simulated_names() == registry.names() + ("zb-h1", "floor", "fsdp")
+    assert registry.simulated_names() == registry.names() + ("zb-h1", "floor", "fsdp", "tawpipe")
     assert not set(registry.BASELINES) & set(registry.SCHEDULES)
     assert registry.pipeline_names() == registry.plan_names()
     assert registry.compared_by_default() == ("1f1b", "interleaved", "weipipe-interleave", "weipipe-zb")
     for name in registry.simulated_names():
         e = registry.simulated(name)
-        assert e.posting in POSTING_RULES and e.projection in (registry.REPLAY, registry.FLOOR, registry.FSDP)
+        assert e.posting in POSTING_RULES and e.projection in (registry.REPLAY, registry.FLOOR, registry.FSDP,
+                                                                  registry.TAWPIPE)
         # exactly one source of action lists: its own, or another schedule's
         sources = [x for x in (e.compute_plan, e.timeline, e.costed_timeline, e.replayed_as) if x is not None]
         assert len(sources) == 1, name

@@ -7,6 +7,7 @@
     python -m tools.simulator_report weipipe-paper                                       # seconds
     python -m tools.simulator_report fpdt-paper                                          # seconds
     python -m tools.simulator_report weipipe-baselines                                   # a minute
+    python -m tools.simulator_report tawpipe-paper                                       # two minutes
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv=None) -> int:
     table.add_argument("--workdir", default="/tmp", help="where the calibrations are kept")
     sub.add_parser("weipipe-paper", help="WeiPipe's scaling setting, NVLink and PCIe+IB clusters")
     sub.add_parser("weipipe-baselines", help="WeiPipe's setting against 1F1B, ZB-H1, FSDP and the floor")
+    sub.add_parser("tawpipe-paper", help="TawPipe's 24-GPU setting (3 nodes x 8, 25 GbE) against WeiPipe, FSDP, HSDP")
     sub.add_parser("fpdt-paper", help="FPDT's 8B Llama at 2M tokens on 4 GPUs and 4M on 8")
     args = p.parse_args(argv)
     try:
@@ -47,6 +49,8 @@ def main(argv=None) -> int:
             print(doc_tables.weipipe_table())
         elif args.what == "weipipe-baselines":
             print(doc_tables.baselines_table())
+        elif args.what == "tawpipe-paper":
+            print(doc_tables.tawpipe_table())
         elif args.what == "fpdt-paper":
             print(doc_tables.fpdt_table())
     except SimulatorError as e:

@@ -15,6 +15,9 @@ _EXPORTS = {
     "RotaryConfig": "config",
     "attention_spec_from_megatron": "config",
     "check_layout": "config",
+    "cp_heads_fit": "config",
+    "kv_heads_per_rank": "config",
+    "ulysses_heads_sent": "config",
     "MathKernel": "kernels",
     "merge": "kernels",
     "select_kernel": "kernels",
@@ -37,6 +40,8 @@ _EXPORTS = {
     "all_to_all_seq_to_heads": "ulysses",
     "heads_to_seq": "ulysses",
     "seq_to_heads": "ulysses",
+    "spread_kv": "ulysses",
+    "gather_kv": "ulysses",
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -8,7 +8,9 @@ get_query_key_value_tensors split, so checkpoints load unchanged), linear_proj w
 result is summed over the TP group (row-parallel output, no sequence parallelism).
 
 FPDT forward, chunk i of u (FPDT.md steps 2-3): project local chunk i, one all-to-all of
-the mixed q|k|v (split along query groups, so each rank receives whole groups), rotary
+the mixed q|k|v (split along query groups, so each rank receives whole groups; with
+fewer KV heads than ranks, spread_kv gives each rank a share of one group's query heads
+and the group's k, v), rotary
 with global positions [iC, (i+1)C), attention of q_i against k_j, v_j for j <= i (causal
 mask on j = i only), online-softmax merge in the accumulation dtype, reverse all-to-all,
 output projection. The next chunk's all-to-all is in flight while this chunk computes.
@@ -42,9 +44,11 @@ from megatron_weipipe.fpdt.ulysses import (
     CommCounter,
     all_to_all_heads_to_seq,
     all_to_all_seq_to_heads,
+    gather_kv,
     group_size,
     heads_to_seq_async,
     seq_to_heads_async,
+    spread_kv,
 )
 
 
@@ -64,6 +68,7 @@ class _Plan:
     counter: CommCounter | None
     save: bool = True  # False under no_grad / inference: keep only what the forward needs
     docs: Documents | None = None  # packed documents: block masks and skipped chunk pairs
+    replicas: int = 1  # ranks sharing each KV head (spec.kv_replicas): spread_kv / gather_kv around the all-to-all
 
     def kind(self, qi: int, kj: int, C: int, count: bool = False) -> str:
         """How chunk pair (query chunk qi, KV chunk kj <= qi) is computed (fpdt.documents)."""
@@ -81,20 +86,20 @@ def _table(spec: AttentionSpec, start: int, length: int, dtype, device):
     return RotaryTable(spec.rotary, spec.head_dim, start, length, dtype, device)
 
 
-def _split_heads(mixed_h: torch.Tensor, spec: AttentionSpec):
-    """[S, b, groups_local, (g+2)d] -> q [b, hq_local, S, d], k, v [b, groups_local, S, d]."""
-    g, d = spec.heads_per_group, spec.head_dim
+def _split_heads(mixed_h: torch.Tensor, g: int, d: int):
+    """[S, b, groups_local, (g+2)d] -> q [b, hq_local, S, d], k, v [b, groups_local, S, d]
+    (g: query heads per KV head in the received slabs, spread_kv's g/R)."""
     S, b, ngl = mixed_h.shape[:3]
     q, k, v = mixed_h.split([g * d, d, d], dim=-1)
     q = q.reshape(S, b, ngl * g, d)
     return tuple(t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
 
 
-def _join_heads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, spec: AttentionSpec, dtype):
+def _join_heads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dtype):
     """Inverse of _split_heads for gradients: -> [S, b, groups_local, (g+2)d]."""
     b, hql, S, d = dq.shape
     ngl = dk.shape[1]
-    dq = dq.permute(2, 0, 1, 3).reshape(S, b, ngl, spec.heads_per_group * d)
+    dq = dq.permute(2, 0, 1, 3).reshape(S, b, ngl, hql // ngl * d)
     dk = dk.permute(2, 0, 1, 3)
     dv = dv.permute(2, 0, 1, 3)
     return torch.cat([dq.to(dtype), dk.to(dtype), dv.to(dtype)], dim=-1)
@@ -124,7 +129,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
 
         def launch(i):
             mixed = F.linear(x[i * L : (i + 1) * L], w_qkv, b_qkv).view(L, b, ng, (g + 2) * d)
-            return seq_to_heads_async(mixed, group, plan.counter)
+            return seq_to_heads_async(spread_kv(mixed, plan.replicas, d), group, plan.counter)
 
         out = torch.empty(s_l, b, w_proj.shape[0], dtype=x.dtype, device=x.device)
         olocal_pending = None
@@ -141,7 +146,7 @@ class FPDTAttentionFunction(torch.autograd.Function):
             mixed_h = pending.wait()
             if i + 1 < u and plan.overlap:
                 pending = launch(i + 1)
-            q, k, v = _split_heads(mixed_h, spec)
+            q, k, v = _split_heads(mixed_h, g // plan.replicas, d)
             del mixed_h
             table = _table(spec, i * C, C, q.dtype, q.device)
             if table is not None:
@@ -270,7 +275,7 @@ class _Backward:
 
         def finish_qkv(item):
             i, p = item
-            dm = p.wait().reshape(L, b, -1)
+            dm = gather_kv(p.wait(), plan.replicas, self.spec.head_dim).reshape(L, b, -1)
             if self.need_x:
                 torch.matmul(dm, self.w_qkv, out=dx[i * L : (i + 1) * L])
             if self.need_wq:
@@ -329,7 +334,7 @@ class _Backward:
         table = _table(spec, i * C, C, dq_i.dtype, dq_i.device)
         if table is not None:
             dq_i, dk = apply_rotary_backward(dq_i, table), apply_rotary_backward(dk, table)
-        return _join_heads(dq_i, dk, dv, spec, self.dtype)
+        return _join_heads(dq_i, dk, dv, self.dtype)
 
 
 def fpdt_attention(
@@ -374,7 +379,7 @@ def fpdt_attention(
     docs = as_documents(documents)
     _check_documents(docs, hidden_states.shape[0] * P, hidden_states.shape[1])
     plan = _Plan(spec, cp_group, tp_group, u, kernel, config.offload, config.overlap_comm, pool, stats, counter, save,
-                 docs)
+                 docs, spec.kv_replicas(P))
     return FPDTAttentionFunction.apply(hidden_states, qkv_weight, qkv_bias, proj_weight, proj_bias, plan)
 
 
@@ -428,7 +433,9 @@ def ulysses_attention(
     kern = select_kernel(kernel, hidden_states.device, hidden_states.dtype, spec.head_dim, (b, spec.num_heads // P, T, T))
     x = copy_to_tp(hidden_states, tp_group)
     mixed = F.linear(x, qkv_weight, qkv_bias).view(s_l, b, spec.groups, -1)
-    q, k, v = _split_heads(all_to_all_seq_to_heads(mixed, cp_group, counter), spec)
+    R = spec.kv_replicas(P)
+    mixed = spread_kv(mixed, R, spec.head_dim)  # autograd sums the replicas' dk, dv (gather_kv)
+    q, k, v = _split_heads(all_to_all_seq_to_heads(mixed, cp_group, counter), spec.heads_per_group // R, spec.head_dim)
     table = _table(spec, 0, S, q.dtype, q.device)
     if table is not None:
         q, k = rotary(q, table), rotary(k, table)

@@ -72,6 +72,11 @@ class AttentionSpec:
     def heads_per_group(self) -> int:
         return self.num_heads // self.groups
 
+    def kv_replicas(self, cp_size: int) -> int:
+        """Ranks of the context-parallel group that share one KV head (1: none share)."""
+        return cp_heads_fit(self.num_heads, self.groups, cp_size,
+                            names=("num_heads (per TP rank)", "num_query_groups (per TP rank)"))
+
     @property
     def qkv_size(self) -> int:
         """Output width of linear_qkv: per group, [q heads of the group, k, v] x head_dim."""
@@ -95,15 +100,7 @@ class AttentionSpec:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_query_groups={self.groups}"
             )
-        if self.num_heads % cp_size:
-            raise ValueError(
-                f"num_heads={self.num_heads} (per TP rank) must be divisible by the context-parallel size {cp_size}"
-            )
-        if self.groups % cp_size:
-            raise ValueError(
-                f"num_query_groups={self.groups} (KV heads per TP rank) must be divisible by the "
-                f"context-parallel size {cp_size}; Ulysses has no KV-head replication fallback here"
-            )
+        self.kv_replicas(cp_size)
         if self.rotary is not None:
             self.rotary.validate(self.head_dim)
 
@@ -172,6 +169,38 @@ class FPDTConfig:
             require(n is None or (n > 0 and (seq_len // cp_size) % n == 0),
                     f"{name}={n} must divide the local sequence length {seq_len // cp_size}")
         return u
+
+
+def cp_heads_fit(heads: int, groups: int, cp: int, tp: int = 1,
+                 names: tuple[str, str] = ("--num-attention-heads", "--num-query-groups")) -> int:
+    """The Ulysses head rule; returns how many ranks share each KV head.
+
+    After the all-to-all each of the cp x tp ranks holds heads / (cp x tp) query heads, so
+    the query heads must divide evenly. KV heads either divide too (each rank holds its
+    own), or divide cp x tp: then cp x tp / groups ranks hold the query heads of one KV
+    head, and that head is sent to each of them (Ulysses' ``spread_kv``), its gradients
+    summed back onto the rank whose tokens it came from (``gather_kv``).
+    """
+    n = cp * tp
+    require(heads % n == 0,
+            f"{names[0]} ({heads}) must be divisible by context x tensor parallel size "
+            f"({cp} x {tp}) for Ulysses attention")
+    require(groups % n == 0 or n % groups == 0,
+            f"{names[1]} ({groups}) must divide or be divisible by context x tensor parallel size "
+            f"({cp} x {tp}) for Ulysses attention")
+    return max(1, n // groups)
+
+
+def kv_heads_per_rank(groups: int, cp: int, tp: int = 1) -> int:
+    """KV heads each rank holds after the Ulysses all-to-all (a shared head counts once)."""
+    return max(1, groups // (cp * tp))
+
+
+def ulysses_heads_sent(heads: int, groups: int, cp: int, tp: int = 1) -> int:
+    """Heads per token in one TP rank's q|k|v all-to-all send buffer: its query heads, and
+    k and v of each KV head once per rank that holds its query heads (the all-to-all of
+    o, do and dq|dk|dv: heads / tp, and this again)."""
+    return heads // tp + 2 * cp * kv_heads_per_rank(groups, cp, tp)
 
 
 def check_layout(seq_len: int, cp_size: int, num_chunks: int) -> None:

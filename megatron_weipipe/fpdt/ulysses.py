@@ -95,6 +95,31 @@ def heads_to_seq_async(x: torch.Tensor, group, counter: CommCounter | None = Non
     return Pending(work, recv, finish)
 
 
+def spread_kv(mixed: torch.Tensor, replicas: int, head_dim: int) -> torch.Tensor:
+    """[s, b, groups, (g+2)d] -> [s, b, groups*R, (g/R+2)d]: slab r*R+i holds query heads
+    [i*g/R, (i+1)*g/R) of group r and the group's k, v (autograd: its backward is gather_kv)."""
+    if replicas == 1:
+        return mixed
+    s, b, ng, w = mixed.shape
+    g = w // head_dim - 2
+    q, kv = mixed.split([g * head_dim, 2 * head_dim], dim=-1)
+    q = q.reshape(s, b, ng, replicas, g // replicas * head_dim)
+    kv = kv.unsqueeze(3).expand(s, b, ng, replicas, 2 * head_dim)
+    return torch.cat([q, kv], dim=-1).reshape(s, b, ng * replicas, (g // replicas + 2) * head_dim)
+
+
+def gather_kv(grad: torch.Tensor, replicas: int, head_dim: int) -> torch.Tensor:
+    """Adjoint of spread_kv: [s, b, groups*R, (g/R+2)d] -> [s, b, groups, (g+2)d], the R
+    replicas' k and v gradients summed onto the group."""
+    if replicas == 1:
+        return grad
+    s, b, n, w = grad.shape
+    qw = w - 2 * head_dim
+    grad = grad.reshape(s, b, n // replicas, replicas, w)
+    q = grad[..., :qw].reshape(s, b, n // replicas, replicas * qw)
+    return torch.cat([q, grad[..., qw:].sum(dim=3)], dim=-1)
+
+
 def seq_to_heads(x: torch.Tensor, group, counter: CommCounter | None = None) -> torch.Tensor:
     return seq_to_heads_async(x, group, counter).wait()
 

@@ -27,6 +27,20 @@ token count, as with megatron-core's DDP.
 FSDP2 issues its collectives itself; every unit gets counting all-gather and
 reduce-scatter objects, so the bytes appear as ``fsdp`` in the log line (see
 ``fsdp_bytes``).
+
+HSDP (``--num-distributed-optimizer-instances R``): the mesh is two-dimensional, R
+replica groups x S = DP*CP/R ranks (megatron-core's partial data-parallel groups: the
+shard group is R's intra-instance group, the replica group its inter-instance group).
+Each unit is sharded over its S ranks and replicated across the R groups: gathers stay
+inside the shard group, and each reduce-scattered gradient shard is then all-reduced
+across the replicas (FSDP2's own ``all_reduce``, counted as ``fsdp`` through the byte
+counter's group attribution, see ``hsdp_all_reduce_bytes``). The gradient is averaged
+over all S*R ranks as before.
+
+``--torch-fsdp2-no-reshard-after-forward`` keeps each unit's gathered weights from its
+forward to its backward (no second all-gather); ``--torch-fsdp2-no-grad-sync-per-microbatch``
+turns FSDP2's gradient sync off (``set_requires_gradient_sync(False)``) for every
+microbatch but the last, so the unsharded gradients accumulate and are reduced once.
 """
 
 from __future__ import annotations
@@ -47,6 +61,13 @@ def fsdp_bytes(shard_bytes: int, group_size: int) -> int:
     (padded) shard is ``shard_bytes``: a bandwidth-optimal (ring) collective sends
     ``group_size - 1`` shards."""
     return shard_bytes * (group_size - 1)
+
+
+def hsdp_all_reduce_bytes(shard_bytes: int, replicas: int) -> int:
+    """Bytes one rank sends for HSDP's all-reduce of a reduced gradient shard of
+    ``shard_bytes`` across ``replicas`` groups: a ring all-reduce (reduce-scatter, then
+    all-gather) sends ``2 (R - 1) / R`` of it."""
+    return 2 * (replicas - 1) * shard_bytes // replicas
 
 
 def _counting_comms(counter: ByteCounter, group_size: int):
@@ -117,6 +138,52 @@ def _name_host_grads(units: list[torch.nn.Module]) -> None:
         group.post_backward = named
 
 
+def fsdp_mesh(group: dist.ProcessGroup, replicas: int, device_type: str):
+    """The data x context parallel ranks as FSDP2's mesh: one dimension, or under HSDP
+    (replica, shard) over megatron-core's inter- and intra-instance groups."""
+    from torch.distributed import DeviceMesh
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the mesh is rank bookkeeping, real even in tools/dry_run.py
+        if replicas == 1:
+            return DeviceMesh.from_group(group, device_type)
+        from megatron.core import parallel_state as ps
+
+        shard = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+        replicate = ps.get_inter_distributed_optimizer_instance_group()
+        ranks = dist.get_process_group_ranks(group)  # lists: tools/dry_run.py traces tensor ops
+        size = len(ranks) // replicas
+        index = ranks.index(dist.get_rank())
+        row, col = ranks[index - index % size:][:size], ranks[index % size::size]
+        if row != dist.get_process_group_ranks(shard) or col != dist.get_process_group_ranks(replicate):
+            raise RuntimeError("megatron-core's distributed-optimizer instance groups do not tile the data x "
+                               "context parallel group as HSDP's (replica, shard) mesh")
+        grid = torch.tensor(ranks).view(replicas, size)
+        return DeviceMesh.from_group([replicate, shard], device_type, mesh=grid,
+                                     mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group_if_dtensor(tensor, data_parallel_group=None):
+    """megatron-core's ``get_data_parallel_group_if_dtensor`` for any FSDP2 mesh: the group a
+    DTensor is sharded over (the shard dimension of an HSDP mesh, whose replicas hold the
+    same values, so the gradient norm sums each element once)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh = tensor.device_mesh
+    dims = [d for d, p in enumerate(tensor.placements) if isinstance(p, Shard)] or [mesh.ndim - 1]
+    group = mesh.get_group(dims[0])
+    assert data_parallel_group is None or group == data_parallel_group
+    return group
+
+
+def _use_shard_group_for_grad_norm() -> None:
+    from megatron.core.optimizer import clip_grads
+
+    clip_grads.get_data_parallel_group_if_dtensor = shard_group_if_dtensor
+
+
 class FullyShardedModel(torch.nn.Module):
     """A GPT stage under FSDP2, with the surface megatron-core's schedules and optimizer
     expect of a data-parallel wrapper (``module``, ``config``, ``ddp_config``,
@@ -124,8 +191,8 @@ class FullyShardedModel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup, device_type: str, counter: ByteCounter,
                  ddp_config, reshard_after_forward: bool = True, compute_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype = torch.float32, offload_policy=None):
-        from torch.distributed import DeviceMesh
+                 reduce_dtype: torch.dtype = torch.float32, replicas: int = 1,
+                 grad_sync_per_microbatch: bool = True, offload_policy=None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         super().__init__()
@@ -135,10 +202,9 @@ class FullyShardedModel(torch.nn.Module):
         self.buffers = []  # megatron-core's optimizer looks for DDP's grad buffers: none here
         self.expert_parallel_buffers = []
         self.group = group
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():  # the mesh is rank bookkeeping, real even in tools/dry_run.py
-            self.mesh = DeviceMesh.from_group(group, device_type)
+        self.grad_sync_per_microbatch = grad_sync_per_microbatch
+        self.mesh = fsdp_mesh(group, replicas, device_type)
+        _use_shard_group_for_grad_norm()
         attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}  # fully_shard drops them
         units = _sharded_units(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
@@ -162,10 +228,14 @@ class FullyShardedModel(torch.nn.Module):
         for name, p in module.named_parameters():
             for key, value in attrs.get(name, {}).items():
                 setattr(p, key, value)
-            if offload_policy is not None:
+        shard_group = self.mesh.get_group(self.mesh.ndim - 1)
+        if replicas > 1:  # FSDP2's own all-reduce across the replicas, with its ring's bytes
+            counter.count_group_as(self.mesh.get_group(0), FSDP_KIND, hsdp_all_reduce_bytes)
+        if offload_policy is not None:
+            for p in module.parameters():
                 residency.host_buffer(p.to_local())  # the fp32 shard lives in host memory
         if hasattr(module, "set_custom_all_gather"):  # else (older torch) the process counter sees them
-            all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(group))
+            all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(shard_group))
             for unit in [*units, module]:
                 unit.set_custom_all_gather(all_gather)
                 unit.set_custom_reduce_scatter(reduce_scatter)
@@ -180,8 +250,18 @@ class FullyShardedModel(torch.nn.Module):
         for p in self.module.parameters():
             p.grad = None
 
+    @contextlib.contextmanager
     def no_sync(self):
-        return contextlib.nullcontext()
+        """megatron-core's schedules run every microbatch but the last inside it: with
+        --torch-fsdp2-no-grad-sync-per-microbatch FSDP2 then only accumulates gradients."""
+        if self.grad_sync_per_microbatch:
+            yield
+            return
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
 
     @torch.no_grad()
     def scale_gradients(self, factor: float) -> None:
@@ -199,11 +279,16 @@ class FullyShardedModel(torch.nn.Module):
         pass
 
 
-def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config, compute_dtype: torch.dtype = torch.float32,
+def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config, parallel, compute_dtype: torch.dtype = torch.float32,
               reduce_dtype: torch.dtype = torch.float32, offload_policy=None) -> list[FullyShardedModel]:
-    """Shard each chunk over the data x context parallel group (fp32 shards; all-gathered
-    in ``compute_dtype``, gradients reduce-scattered in ``reduce_dtype`` under mixed precision;
-    kept in host memory under ``offload_policy``, FSDP2's CPUOffloadPolicy)."""
+    """Shard each chunk over the data x context parallel group, or under HSDP over its
+    part of it (fp32 shards; all-gathered in ``compute_dtype``, gradients reduce-scattered
+    in ``reduce_dtype`` under mixed precision; kept in host memory under ``offload_policy``,
+    FSDP2's CPUOffloadPolicy); ``parallel`` is the ParallelConfig."""
     return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config,
-                              compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, offload_policy=offload_policy)
+                              reshard_after_forward=not parallel.torch_fsdp2_no_reshard_after_forward,
+                              compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                              replicas=parallel.num_distributed_optimizer_instances,
+                              grad_sync_per_microbatch=not parallel.torch_fsdp2_no_grad_sync_per_microbatch,
+                              offload_policy=offload_policy)
             for chunk in chunks]

@@ -39,6 +39,7 @@ ASYNC = "async"
 REPLAY = "replay"
 FLOOR = "floor"
 FSDP = "fsdp"
+TAWPIPE = "tawpipe"  # TawPipe's closed-form cost (simulator/topology.py) on its base's replay
 
 _GENERATE = "megatron_weipipe.schedules.generate"
 _CHECK = "megatron_weipipe.schedules.check"
@@ -123,6 +124,7 @@ BASELINES: dict[str, ScheduleEntry] = {e.name: e for e in (
     baseline("zb-h1", "1f1b", costed_timeline=f"{_GENERATE}.zb_h1:zb_h1_timeline", posting=ASYNC),
     baseline("floor", "1f1b", projection=FLOOR, replayed_as="1f1b"),
     baseline("fsdp", "none", projection=FSDP, replayed_as="none", pipelined=False),
+    baseline("tawpipe", "weipipe-interleave", projection=TAWPIPE, replayed_as="weipipe-interleave"),
 )}
 
 

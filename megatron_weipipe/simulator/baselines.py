@@ -32,12 +32,13 @@ from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.ir.actions import Action, Kind
 from megatron_weipipe.schedules.timing.replay import TimedAction, TokenBucket, Trace
 
-from . import collectives
+from . import collectives, sharding
 from .costs import CostModel
 from .hardware import Cluster
 from .run_spec import RunSpec
+from .topology import project_tawpipe
 
-FSDP_GRAD_BYTES = 4  # gradients reduce-scattered in fp32 (Megatron's main-grad dtype)
+FSDP_GRAD_BYTES = sharding.GRAD_BYTES
 FSDP_KIND = "fsdp"  # the trainer's byte-counter kind for FSDP2's collectives (model/fsdp.py)
 
 
@@ -51,13 +52,17 @@ def fsdp_units(spec: RunSpec) -> list[tuple[str, int]]:
 
 def unit_collectives(spec: RunSpec, cluster: Cluster):
     """Per unit (all-gather of its compute-dtype weights, fp32 reduce-scatter of its gradient)
-    on the data-parallel ring, and that ring's link. gloo reduce-scatters by all-reducing the
-    whole tensor (twice a ring's bytes at two ranks, measured on a veth pair), NCCL by a ring."""
+    on the data-parallel ring (the shard group under HSDP), and that ring's link. gloo
+    reduce-scatters by all-reducing the whole tensor (twice a ring's bytes at two ranks,
+    measured on a veth pair), NCCL by a ring."""
+    comms, link, _ = _unit_comms(spec, cluster)
+    return [(c.gather, c.reduce_scatter) for c in comms], link
+
+
+def _unit_comms(spec: RunSpec, cluster: Cluster):
     group = spec.layout.data_cp_ranks()
-    n, link = len(group), cluster.slowest_link(group)
-    reduce_scatter = collectives.all_reduce if cluster.device.backend == "gloo" else collectives.reduce_scatter
-    return [(collectives.all_gather(p * spec.compute_bytes, n, link), reduce_scatter(p * FSDP_GRAD_BYTES, n, link))
-            for _, p in fsdp_units(spec)], link
+    params = [p for _, p in fsdp_units(spec)]
+    return sharding.unit_comms(params, group, spec.fsdp.validate(len(group)), cluster, spec.compute_bytes)
 
 
 class _CommStream:
@@ -80,16 +85,20 @@ class _CommStream:
 
 
 class _FsdpRank:
-    """One rank's compute stream: each unit waits for its weights, then computes."""
+    """One rank's compute stream: each unit waits for its weights, then computes. Under HSDP
+    each unit's gradient shard is all-reduced across the replica groups on a stream of its
+    own (the inter-node link) once its reduce-scatter is done."""
 
-    def __init__(self, comms, stream: _CommStream, blocking: bool) -> None:
+    def __init__(self, comms, stream: _CommStream, blocking: bool, replica_stream: Optional[_CommStream] = None,
+                 fsdp: sharding.FsdpSharding = sharding.FsdpSharding()) -> None:
         self.comms, self.stream, self.blocking = comms, stream, blocking
+        self.replica_stream, self.fsdp = replica_stream, fsdp
         self.now = self.exposed = 0.0
         self.timed: list[TimedAction] = []
         self.ready = [0.0] * len(comms)
 
     def gather(self, u: int, at: float) -> None:
-        self.ready[u] = self.stream.issue(at, self.comms[u][0])
+        self.ready[u] = self.stream.issue(at, self.comms[u].gather)
 
     def run(self, u: int, seconds: float, action: Action, prefetch: Optional[int]) -> None:
         """Wait for unit ``u``'s weights, issue the prefetch of unit ``prefetch`` as it starts, compute."""
@@ -102,9 +111,10 @@ class _FsdpRank:
         self.now = start + seconds
         self.timed.append(TimedAction(action, start, self.now))
 
-    def microbatch(self, m: int, forward: list[float], backward: list[float], L: int) -> None:
+    def microbatch(self, m: int, forward: list[float], backward: list[float], L: int, sync: bool = True) -> None:
         """Forward (embedding, layers, root), the root gathered again, backward in reverse,
-        each unit's gradient reduce-scattered after its backward."""
+        each unit's gradient reduce-scattered after its backward when ``sync``. Without
+        resharding after the forward the backward finds every unit's weights there."""
         U = len(self.comms)
         self.ready = [0.0] * U
         self.gather(0, self.now)
@@ -114,13 +124,19 @@ class _FsdpRank:
             kind = Kind.LOSS if u == U - 1 else Kind.FORWARD
             self.run(u, forward[u], Action(kind, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))),
                      u + 1 if u + 1 < U else None)
-        self.gather(U - 1, self.now)
+        reshard = self.fsdp.reshard_after_forward
+        if reshard:
+            self.gather(U - 1, self.now)
         for u in reversed(range(U)):
-            if self.blocking and u < U - 1:
+            if reshard and self.blocking and u < U - 1:
                 self.gather(u, self.now)
             self.run(u, backward[u], Action(Kind.BACKWARD, 0, 0, mb=m, chunk=max(0, min(u - 1, L - 1))),
-                     u - 1 if u > 0 else None)
-            done = self.stream.issue(self.now, self.comms[u][1])
+                     u - 1 if u > 0 and reshard else None)
+            if not sync:
+                continue
+            done = self.stream.issue(self.now, self.comms[u].reduce_scatter)
+            if self.replica_stream is not None:
+                done = self.replica_stream.issue(done, self.comms[u].all_reduce)
             if self.blocking:
                 self.exposed += done - self.now
                 self.now = done
@@ -138,37 +154,56 @@ def _unit_seconds(spec: RunSpec, costs: CostModel) -> tuple[list[float], list[fl
 
 
 def simulate_fsdp(spec: RunSpec, cluster: Cluster, costs: CostModel, base):
-    """FSDP's iteration on one rank (all ranks alike); ``base`` is the PP=1 replay of the same
-    spec (memory, counters), whose times this replaces."""
-    s, lay = spec.shape, spec.layout
+    """FSDP's (or HSDP's) iteration on one rank (all ranks alike); ``base`` is the PP=1 replay
+    of the same spec (memory, counters), whose times this replaces."""
+    s, lay, fsdp = spec.shape, spec.layout, spec.fsdp
     N = spec.num_microbatches
     forward, backward = _unit_seconds(spec, costs)
-    comms, link = unit_collectives(spec, cluster)
+    comms, link, replica_link = _unit_comms(spec, cluster)
     stream = _CommStream(link)
-    rank = _FsdpRank(comms, stream, blocking=not cluster.device.streams)  # no streams: each collective waited for
+    replica_stream = _CommStream(replica_link) if fsdp.is_hsdp else None
+    rank = _FsdpRank(comms, stream, blocking=not cluster.device.streams,  # no streams: each collective waited for
+                     replica_stream=replica_stream, fsdp=fsdp)
     for m in range(N):
-        rank.microbatch(m, forward, backward, s.num_layers)
-    pipeline = max(rank.now, stream.free)
+        rank.microbatch(m, forward, backward, s.num_layers, sync=fsdp.grad_sync_per_microbatch or m == N - 1)
+    pipeline = max(rank.now, stream.free, replica_stream.free if replica_stream else 0.0)
     exposed = rank.exposed + pipeline - rank.now
-    params = spec.rank_params(0) / (lay.dp * lay.cp)
+    params = spec.rank_params(0) / (lay.dp * lay.cp) * fsdp.replicas  # the shard of one shard group
     step = costs.fsdp_step if costs.fsdp_step is not None else params * costs.optimizer_per_param
     iteration = pipeline + step
     compute = sum(a.end - a.start for a in rank.timed)
-    wire = N * sum(2 * ag.wire_bytes + rs.wire_bytes for ag, rs in comms)
-    n = len(lay.data_cp_ranks())  # the trainer counts a ring's bytes whatever the backend sends
-    counted = N * sum(2 * ag.wire_bytes + (n - 1) / n * p * FSDP_GRAD_BYTES for (ag, _), (_, p) in zip(comms, fsdp_units(spec)))
+    gathers = 2 if fsdp.reshard_after_forward else 1
+    syncs = N if fsdp.grad_sync_per_microbatch else 1
+    wire = sum(N * gathers * c.gather.wire_bytes + syncs * c.reduce_scatter.wire_bytes for c in comms)
+    n = len(lay.data_cp_ranks()) // fsdp.replicas  # the trainer counts a ring's bytes whatever the backend sends
+    units = fsdp_units(spec)
+    counted = sum(N * gathers * c.gather.wire_bytes + syncs * (n - 1) / n * p * fsdp.grad_bytes
+                  for c, (_, p) in zip(comms, units))
+    bytes_per_link = {link.name: wire}
     phases = {"FSDP gathers and reduce-scatters not hidden by compute": exposed,
               "step after the microbatches (optimizer on the 1/n shard)": step}
+    if fsdp.is_hsdp:
+        across = syncs * sum(c.all_reduce.wire_bytes for c in comms)
+        bytes_per_link[replica_link.name] = bytes_per_link.get(replica_link.name, 0.0) + across
+        counted += across
     tokens = spec.global_batch_size * s.seq_length
     peak = cluster.device.peak_tflops * 1e12 if cluster.device.peak_tflops else None
     flops = s.model_flops_per_microbatch() * N * lay.dp
     trace = Trace(per_rank=(tuple(rank.timed),), transfers=(), finish=(pipeline,), work=(compute,))
-    mem = tuple(replace(m, transient=m.transient + 2 * s.layer_params(lay.tp) * (spec.compute_bytes + FSDP_GRAD_BYTES))
-                for m in base.memory)  # two gathered layers (the one computing, the prefetched) and a gradient
+    layer = s.layer_params(lay.tp)
+    # two gathered layers (the one computing, the prefetched) and a gradient; without
+    # resharding every unit's gathered weights from its forward to its backward; without a
+    # sync per microbatch the unsharded fp32 gradients of the whole model
+    extra = 2 * layer * (spec.compute_bytes + FSDP_GRAD_BYTES)
+    if not fsdp.reshard_after_forward:
+        extra += sum(p for _, p in units) * spec.compute_bytes
+    if not fsdp.grad_sync_per_microbatch:
+        extra += sum(p for _, p in units) * FSDP_GRAD_BYTES
+    mem = tuple(replace(m, transient=m.transient + extra) for m in base.memory)
     return replace(base, iteration_s=iteration, pipeline_s=pipeline, tokens_per_s=tokens / iteration,
                    mfu=flops / (iteration * lay.world * peak) if peak else None,
                    bubble=1.0 - compute / pipeline if pipeline > 0 else 0.0,
-                   bytes_per_link=({link.name: wire},), counter=({FSDP_KIND: int(counted)},), memory=mem,
+                   bytes_per_link=(bytes_per_link,), counter=({FSDP_KIND: int(counted)},), memory=mem,
                    trace=trace, phases=phases, work=(compute + step,))
 
 
@@ -190,4 +225,4 @@ def floor_of(spec: RunSpec, one_f_one_b) -> dict:
 
 
 # registry projection -> (spec, cluster, costs, base replay) -> ScheduleResult
-PROJECTIONS = {registry.FSDP: simulate_fsdp, registry.FLOOR: project_floor}
+PROJECTIONS = {registry.FSDP: simulate_fsdp, registry.FLOOR: project_floor, registry.TAWPIPE: project_tawpipe}

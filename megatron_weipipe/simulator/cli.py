@@ -97,6 +97,7 @@ def build_cluster(hw: HardwareOptions):
 def run_specs(a: SimulatorArgs) -> list:
     """One RunSpec per compared schedule, each checked by the training rules; raises ConfigError."""
     from .run_spec import for_schedule, spec_from_config
+    from .sharding import sharding_from
 
     names = schedule_names(a)
     for n in names:
@@ -111,7 +112,9 @@ def run_specs(a: SimulatorArgs) -> list:
                                 attention_impl="unfused" if a.calibrated else "flash",
                                 weight_pass=a.sim.weipipe_weight_pass,
                                 offload_checkpoints=a.sim.fpdt_offload_checkpoints)
-        specs.append(replace(spec, schedule=n, kernel_efficiency=factors[n]).validate())
+        fsdp = sharding_from(a.config, a.sim.hsdp_replicas, a.sim.fsdp_no_reshard, a.sim.fsdp_grad_sync_once,
+                             a.sim.fsdp_reduce_dtype)
+        specs.append(replace(spec, schedule=n, kernel_efficiency=factors[n], fsdp=fsdp).validate())
     return specs
 
 

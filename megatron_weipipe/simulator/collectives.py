@@ -40,3 +40,15 @@ reduce_scatter = all_gather
 def all_to_all(nbytes: int, n: int, link: LinkSpec) -> CollectiveCost:
     """nbytes: what one rank holds before the exchange; it keeps 1/n and sends the rest."""
     return all_gather(nbytes, n, link)
+
+
+def broadcast(nbytes: int, n: int, link: LinkSpec) -> CollectiveCost:
+    """A pipelined ring broadcast from one root: every rank but the last forwards the whole
+    payload in chunks, so the time is one payload's transfer plus n-1 hops' latency (NCCL's
+    ring broadcast); ``wire_bytes``: what a forwarding rank sends."""
+    if n <= 1:
+        return CollectiveCost(0.0, 0.0, nbytes)
+    return CollectiveCost(nbytes / (link.bandwidth_gbs * 1e9) + (n - 1) * link.latency_us * 1e-6, float(nbytes), nbytes)
+
+
+reduce = broadcast  # the same ring, the other way: each rank adds its part and forwards

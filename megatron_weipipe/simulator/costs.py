@@ -27,6 +27,7 @@ from megatron_weipipe.schedules.ir.actions import Action, Kind, Schedule
 from . import collectives
 from .calibration import ChunkTimes, HostCalibration
 from megatron_weipipe.errors import SimulatorError
+from megatron_weipipe.fpdt.config import ulysses_heads_sent
 from .hardware import DeviceSpec, LinkSpec
 from megatron_weipipe.shape import ModelShape
 
@@ -142,7 +143,8 @@ def layer_times(shape: ModelShape, device: DeviceSpec, o: FlopOptions) -> tuple[
     elem = tokens * o.dtype_bytes * (16 * shape.hidden_size + 4 * fc1 / o.tp) / (device.hbm_gbs * 1e9)
     act = int(tokens * shape.hidden_size * o.dtype_bytes)
     tp_comm = 2 * collectives.all_reduce(act, o.tp, o.tp_link).seconds
-    a2a = int(tokens * (shape.qkv_width + shape.attn_width) / o.tp * o.dtype_bytes)
+    heads = ulysses_heads_sent(shape.num_attention_heads, shape.groups, o.cp, o.tp) + shape.num_attention_heads // o.tp
+    a2a = int(tokens * heads * shape.head_dim * o.dtype_bytes)
     cp_comm = collectives.all_to_all(a2a, o.cp, o.cp_link).seconds
     forward = gemm + attn + elem + tp_comm + cp_comm + o.extra_forward
     backward_input = gemm + FLASH_BACKWARD_FACTOR * attn + 2 * elem + tp_comm + cp_comm + o.extra_backward

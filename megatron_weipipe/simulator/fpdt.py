@@ -3,7 +3,8 @@
 Per rank and layer, with S tokens, P context-parallel ranks, chunk C (global tokens
 after the all-to-all) and u = S/C chunks (shared/design/FPDT.md):
 - forward, chunk i against chunks j <= i: u(u+1)/2 blocks of C x C for a/P heads; with
-  offload each block fetches k_j, v_j (C tokens x g/P KV heads) from host memory while
+  offload each block fetches k_j, v_j (C tokens x g/P KV heads, at least one: a KV head
+  shared by P/g ranks is on each) from host memory while
   the previous block computes (double buffering);
 - backward streams q, o, lse, do and dq of each query chunk through the inner loop;
 - on the device: two chunks of q/k/v/o/lse in flight, the fp32 accumulators of one KV
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_weipipe.fpdt.config import FPDTConfig
+from megatron_weipipe.fpdt.config import FPDTConfig, kv_heads_per_rank, ulysses_heads_sent
 
 from .hardware import Cluster, GiB
 from megatron_weipipe.shape import ModelShape
@@ -66,7 +67,8 @@ def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp:
             dtype_bytes: int = 2) -> FPDTReport:
     u = spec.num_chunks(shape.seq_length)
     b, h, d = shape.micro_batch_size, shape.hidden_size, shape.head_dim
-    a, g = shape.num_attention_heads / tp / cp, shape.groups / tp / cp  # heads per rank after the all-to-all
+    # heads per rank after the all-to-all (a KV head shared by ranks is on each of them)
+    a, g = shape.num_attention_heads / tp / cp, kv_heads_per_rank(shape.groups, cp, tp)
     C, e = spec.chunk_size, dtype_bytes
     local = shape.seq_length / cp  # tokens per rank before the all-to-all
     chunk_local = C / cp
@@ -75,7 +77,9 @@ def analyse(shape: ModelShape, spec: FPDTSpec, cluster: Cluster, *, cp: int, tp:
     ffn = shape.ffn * (2 if shape.swiglu else 1) / tp
     mlp_chunk = chunk_local * b * (ffn + shape.ffn / tp) * e * 2  # intermediate and its gradient
     loss_chunk = 2 * chunk_local * b * shape.padded_vocab(tp) / tp * 4
-    qkv_chunk = chunk_local * b * shape.qkv_width / tp * e * 2  # projection output before / after all-to-all
+    # projection output before the all-to-all, and what arrives (a KV head once per rank holding it)
+    sent = ulysses_heads_sent(shape.num_attention_heads, shape.groups, cp, tp) * d
+    qkv_chunk = chunk_local * b * (shape.qkv_width / tp + sent) * e
     device_chunk = attn_chunk + mlp_chunk + loss_chunk + qkv_chunk
     # full-sequence hidden states alive in a layer's forward/backward: input, attention
     # output, residual, norm output, and two gradients
@@ -122,7 +126,7 @@ def offload_bytes(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
     backward buffers (a backward takes the buffers a finished one returned)."""
     u = spec.num_chunks(shape.seq_length)
     b, h, d, e = shape.micro_batch_size, shape.hidden_size, shape.head_dim, dtype_bytes
-    a, g = shape.num_attention_heads / tp / cp, shape.groups / tp / cp
+    a, g = shape.num_attention_heads / tp / cp, kv_heads_per_rank(shape.groups, cp, tp)
     C = spec.chunk_size
     x = C / cp * b * h * e
     kv, qod, lse, dq = 2 * C * b * g * d * e, 3 * C * b * a * d * e, C * b * a * 4, C * b * a * d
@@ -144,7 +148,7 @@ def pool_buffers(shape: ModelShape, spec: FPDTSpec, *, cp: int, tp: int = 1,
     slabs (residency.slab_layout); bytes are integral here."""
     u = spec.num_chunks(shape.seq_length)
     b, h, d, e = shape.micro_batch_size, shape.hidden_size, shape.head_dim, dtype_bytes
-    a, g = shape.num_attention_heads // tp // cp, shape.groups // tp // cp
+    a, g = shape.num_attention_heads // tp // cp, kv_heads_per_rank(shape.groups, cp, tp)
     C = spec.chunk_size
     L = C // cp
     forward: dict = {}

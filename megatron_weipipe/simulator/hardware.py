@@ -66,6 +66,9 @@ class LinkSpec:
     latency_us: float
     cpu_s_per_byte: float = 0.0  # host CPU a transfer costs, sender and receiver together (gloo on a CPU host)
     burst_bytes: float = 0.0  # a shaped link's token bucket (tc tbf's burst): bytes an idle link passes at once
+    # one NIC per node rather than per GPU: GPUs of a node that cross it at once (HSDP's
+    # replica all-reduces, one per shard rank) share its bandwidth (Cluster.crossing_link)
+    per_node: bool = False
 
     def validate(self) -> "LinkSpec":
         require_simulable(self.bandwidth_gbs > 0, f"link {self.name}: bandwidth must be positive")
@@ -88,6 +91,8 @@ LINKS: dict[str, LinkSpec] = {
     "ib-hdr": LinkSpec("ib-hdr", 22.0, 5.0),  # 200 Gb/s per GPU
     "ib-edr": LinkSpec("ib-edr", 11.0, 5.0),  # 100 Gb/s per GPU
     "ethernet": LinkSpec("ethernet", 10.0, 20.0),  # 100 GbE TCP
+    # 25 GbE, one NIC per node, NCCL over sockets (TawPipe's cluster): 3.125 GB/s line rate, ~90% reached
+    "eth25": LinkSpec("eth25", 2.8, 25.0, per_node=True),
     "loopback": LinkSpec("loopback", 2.0, 50.0),  # gloo over TCP on one host (calibrate measures it)
 }
 
@@ -165,6 +170,17 @@ class Cluster:
         """The link a ring over these ranks is paced by (inter-node if the ring leaves a node)."""
         nodes = {self.node(r) for r in ranks}
         return self.inter if len(nodes) > 1 else self.intra
+
+    def crossing_link(self, group, concurrent) -> LinkSpec:
+        """The link ``group``'s ring is paced by while the ``concurrent`` groups it belongs to
+        (itself included, one per rank of a node) all run their rings at once: a per-node
+        inter-node link is shared by the rings of those groups whose ranks sit on one node."""
+        link = self.slowest_link(group)
+        if link is not self.inter or not self.inter.per_node:
+            return link
+        first = self.node(group[0])
+        users = sum(1 for g in concurrent if any(self.node(r) == first for r in g))
+        return shared_link(link, max(users, 1))
 
     def with_links(self, intra: Optional[LinkSpec] = None, inter: Optional[LinkSpec] = None) -> "Cluster":
         return replace(self, intra=intra or self.intra, inter=inter or self.inter)

@@ -77,9 +77,8 @@ def summary_line(spec, params: float, state: StateBytes, host_link, iteration_s:
     """The simulator report's line: host bytes of the model state, the step's host traffic,
     and how long the host link takes for it against the iteration's compute."""
     offload = spec.config.offload if spec.config is not None else None
-    lay = spec.layout
     traffic = host_traffic_bytes(params, state, offload, fsdp2=spec.torch_fsdp2, compute_bytes=spec.compute_bytes,
-                                 microbatches=spec.num_microbatches, shards=lay.dp * lay.cp)
+                                 microbatches=spec.num_microbatches, shards=state.param_shards)
     if traffic is None:
         return None
     seconds = max(traffic) / (host_link.bandwidth_gbs * 1e9)

@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence
 from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule
 from megatron_weipipe.schedules.ir.posts import DEFAULT_ORDER, Post, pair_messages, rank_posts
 
+from megatron_weipipe.fpdt.config import kv_heads_per_rank
 from megatron_weipipe.residency import pool_bytes
 from megatron_weipipe.shape import ModelShape
 
@@ -160,7 +161,8 @@ def long_context_layer_bytes(shape: ModelShape, o: ActivationOptions, mode: str,
     core_attn (Ulysses) keeps the kernel's q, k, v, not its output in head layout nor the
     log-sum-exp; mlp (Ulysses) keeps only the MLP's input (FPDT's chunked MLP does already)."""
     b, s, h = shape.micro_batch_size, shape.seq_length / o.cp, shape.hidden_size
-    a, g, d, f = shape.num_attention_heads / o.tp, shape.groups / o.tp, shape.head_dim, shape.ffn / o.tp
+    a, d, f = shape.num_attention_heads / o.tp, shape.head_dim, shape.ffn / o.tp
+    g = o.cp * kv_heads_per_rank(shape.groups, o.cp, o.tp)  # per local token: a shared KV head is on each of its ranks
     e = o.dtype_bytes
     norm = _norm_saved_per_token(shape, o, norm_chunks > 1)
     outputs = (1 if mode == "offload" else 2) * h * e
@@ -227,6 +229,25 @@ def chunked_loss_bytes(shape: ModelShape, o: ActivationOptions, chunks: int, nor
 
 # ---------------------------------------------------------------- read off the lists
 
+def _per_schedule(fn):
+    """Memoize a pure reading of a schedule by the schedule object (kept alive while cached,
+    so its id stays its own): run_spec builds one Schedule per size and shares it."""
+    cache: dict = {}
+
+    def wrapper(schedule, *args, **kwargs):
+        key = (id(schedule), args, tuple(sorted(kwargs.items())))
+        hit = cache.get(key)
+        if hit is None or hit[0] is not schedule:
+            if len(cache) > 512:
+                cache.clear()
+            hit = cache[key] = (schedule, fn(schedule, *args, **kwargs))
+        return hit[1]
+
+    wrapper.__doc__, wrapper.__name__, wrapper.__wrapped__ = fn.__doc__, fn.__name__, fn
+    return wrapper
+
+
+@_per_schedule
 def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[int, ...]:
     """Per rank, the most (microbatch, chunk) forwards whose backward has not finished (a
     split backward frees them at W, or at I when I computes both gradients)."""
@@ -245,6 +266,7 @@ def peak_in_flight(schedule: Schedule, freed_at_input: bool = False) -> tuple[in
     return tuple(out)
 
 
+@_per_schedule
 def pool_sets(schedule: Schedule, freed_at_input: bool = False) -> tuple[tuple[int, ...], ...]:
     """Per rank, for each of its model chunks, the most microbatches that chunk had in
     flight at once: how many forward sets the chunks' own host pools (FPDT offload: one
@@ -314,6 +336,7 @@ class BufferPeak:
     grads: int  # chunk-sized tensors in the gradient dtype
 
 
+@_per_schedule
 def peak_buffers(schedule: Schedule, lookahead: int = 1) -> tuple[BufferPeak, ...]:
     """Per rank, the most chunk-sized tensors WeiPipeRuntime holds at once: buffers,
     irecvs from the moment the runtime's posting program (plan.posts: parity order at
@@ -388,6 +411,19 @@ def fsdp2_state_bytes(shards: int) -> StateBytes:
     """model/fsdp.py: fp32 weights (the master), fp32 grads (reduce dtype) and
     Adam's two fp32 moments, every one sharded."""
     return StateBytes(param=4, grad=4, optimizer=8, optimizer_shards=shards, param_shards=shards)
+
+
+def fsdp2_option_bytes(params: int, compute_bytes: int, fsdp, microbatches: int) -> float:
+    """What FSDP2's options keep on top of the shards (model/fsdp_memory.py has the exact
+    per-unit form): without reshard after forward every unit's gathered weights stay until
+    its backward; with gradient sync once per iteration the unsharded gradients accumulate
+    across microbatches in the reduce dtype."""
+    out = 0.0
+    if not fsdp.reshard_after_forward:
+        out += params * compute_bytes
+    if not fsdp.grad_sync_per_microbatch and microbatches > 1:
+        out += params * fsdp.grad_bytes
+    return out
 
 
 def fsdp2_gathered_bytes(shape: ModelShape, tp: int, compute_bytes: int) -> float:

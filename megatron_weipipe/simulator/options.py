@@ -29,6 +29,19 @@ class SimulationOptions:
     kernel_efficiency: str = option(
         "1.0", help="compute speed of a schedule's kernels relative to the cost model (compute seconds are divided by "
                     "it): one factor for all, or SCHEDULE=FACTOR pairs, e.g. weipipe-interleave=0.8,weipipe-zb=0.8")
+    hsdp_replicas: Optional[int] = option(
+        None, help="fsdp: replicate the model across this many groups of consecutive ranks and shard it inside "
+                   "each (HSDP; default: --num-distributed-optimizer-instances with --use-torch-fsdp2, else 1)")
+    fsdp_no_reshard: bool = option(
+        False, help="fsdp: keep each unit's gathered weights from its forward to its backward (one all-gather per "
+                    "unit and microbatch; also set by --torch-fsdp2-no-reshard-after-forward)")
+    fsdp_grad_sync_once: bool = option(
+        False, help="fsdp: reduce gradients after the last microbatch only, accumulating them unsharded (also set "
+                    "by --torch-fsdp2-no-grad-sync-per-microbatch)")
+    fsdp_reduce_dtype: str = option(
+        "fp32", choices=("fp32", "bf16"),
+        help="fsdp: the dtype gradients are reduce-scattered and all-reduced in (DeepSpeed ZeRO-3 in fp16/bf16 "
+             "reduces in the model's dtype)")
     fpdt_offload_checkpoints: bool = option(
         False, help="layer-input checkpoints in host memory (implies full recomputation)")
 

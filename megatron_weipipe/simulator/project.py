@@ -25,6 +25,7 @@ from . import collectives, host_state, memory
 from .costs import CostModel
 from megatron_weipipe.simulator.cluster_replay import EventModel, Trace, replay
 from .fpdt import FPDTReport, analyse
+from megatron_weipipe.fpdt.config import ulysses_heads_sent
 from .hardware import Cluster
 from .run_spec import RunSpec
 
@@ -218,8 +219,10 @@ def counter_bytes(spec: RunSpec, schedule: Schedule) -> tuple[dict[str, int], ..
         if lay.cp > 1:
             # Ulysses / FPDT all-to-alls, payload as counted (the whole send buffer): per layer
             # and microbatch q|k|v out and o back in the forward, do out and dq|dk|dv back in
-            # the backward; full recomputation runs the forward's pair again
-            per = s.tokens // lay.cp * (s.qkv_width + s.num_attention_heads * s.head_dim) // lay.tp * spec.compute_bytes
+            # the backward; full recomputation runs the forward's pair again. q|k|v carries a KV
+            # head once per rank holding its query heads (fewer KV heads than CP x TP: several)
+            heads = ulysses_heads_sent(s.num_attention_heads, s.groups, lay.cp, lay.tp) + s.num_attention_heads // lay.tp
+            per = s.tokens // lay.cp * heads * s.head_dim * spec.compute_bytes
             layer_passes = (schedule.microbatches * s.num_layers if spec.is_weipipe
                             else spec.num_microbatches * spec.rank_layers(r))
             coll += per * (3 if spec.recompute else 2) * layer_passes
@@ -233,7 +236,7 @@ def state_bytes(spec: RunSpec) -> memory.StateBytes:
     and sharding (distributed optimizer, ZeRO-3, FSDP2)."""
     n = spec.layout.dp * spec.layout.cp
     if spec.torch_fsdp2:
-        return memory.fsdp2_state_bytes(n)
+        return memory.fsdp2_state_bytes(n // spec.fsdp.replicas)  # HSDP: sharded inside a replica group
     if spec.zero3:
         return memory.StateBytes(spec.compute_bytes, spec.compute_bytes, 12, optimizer_shards=n, param_shards=n)
     state = memory.state_bytes_for(spec.compute_bytes)
@@ -288,7 +291,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     split = state_split(spec)
     gathered = memory.fsdp2_gathered_bytes(s, lay.tp, spec.compute_bytes) if spec.torch_fsdp2 else 0.0
     if spec.torch_fsdp2 and split.host:
-        gathered += host_state.fsdp2_offload_transit_bytes(s.layer_params(lay.tp), lay.dp * lay.cp)
+        gathered += host_state.fsdp2_offload_transit_bytes(s.layer_params(lay.tp), state.param_shards)
     act_opts = _activation_options(spec)
     k = spec.layers_per_chunk
     per_input = memory.layer_input_bytes(s, act_opts)
@@ -301,6 +304,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     for r in range(lay.pp):
         params = spec.rank_params(r)
         model_state = params * split.device
+        if spec.torch_fsdp2:
+            model_state += memory.fsdp2_option_bytes(params, spec.compute_bytes, spec.fsdp, spec.num_microbatches)
         host = chunk_state = offloaded = 0.0
         if long_mode is not None:
             units, redo = (1, k) if spec.is_weipipe else (k, 1)

@@ -11,6 +11,7 @@ trained schedule whose rules it obeys) is the registry's (schedules/registry.py)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
@@ -25,6 +26,7 @@ from megatron_weipipe.shape import ModelShape
 
 from megatron_weipipe.errors import require_simulable
 from .fpdt import FPDTSpec
+from .sharding import FsdpSharding, sharding_from
 from megatron_weipipe.simulator.rank_order import Layout
 
 DEFAULT_VOCAB_SIZE = 32000  # when --vocab-size is not given (the simulator has no tokenizer)
@@ -49,6 +51,7 @@ class RunSpec:
     # parallel ranks; one unit (a layer, or the root's embedding and output layer) gathered
     # in the compute dtype at a time
     torch_fsdp2: bool = False
+    fsdp: FsdpSharding = FsdpSharding()  # the FSDP baseline's sharding: HSDP replicas, FSDP2's options
     offload_layer_inputs: bool = False  # --offload-layer-inputs: recompute's kept inputs on the host
     attention_impl: str = "flash"  # "flash" (TE layers), "unfused" (local layers), "unfused+flash" (local, fused core)
     dropout: bool = True
@@ -136,16 +139,12 @@ class RunSpec:
     def build_schedule(self, zb_costs: Optional[tuple[float, float, float]] = None) -> Schedule:
         """The action lists; ``zb_costs``: (F, I, W) of one stage, which a costed timeline's
         order (zb-h1's) is built for."""
-        P, N = self.layout.pp, self.num_microbatches
         e = self.entry
         if e.replayed_as is not None:
             return replace(self, schedule=e.replayed_as).build_schedule(zb_costs)
-        if e.compute_plan is not None:
-            return generate(self.schedule, P, N // P)
-        if e.costed_timeline is not None:
-            return registry.load(e.costed_timeline)(P, N, zb_costs or (1.0, 1.0, 1.0))
         V = self.virtual_stages if e.virtual_stages else 1
-        return registry.load(e.timeline)(self.schedule, P, N, V)
+        return _built_schedule(self.schedule, self.layout.pp, self.num_microbatches, V,
+                               zb_costs if e.costed_timeline is not None else None)
 
     # ------------------------------------------------------------ sizes
     def chunk_params(self) -> int:
@@ -188,6 +187,17 @@ class RunSpec:
         per = self.weipipe_grad_bytes if a.flow is Flow.GRADS else self.compute_bytes
         return self.chunk_params() * per
 
+
+@functools.lru_cache(maxsize=128)
+def _built_schedule(name: str, P: int, N: int, V: int, zb_costs: Optional[tuple[float, float, float]]) -> Schedule:
+    """A schedule's action lists, a function of these sizes alone (a Schedule is frozen, so
+    runs of one schedule and size share them: tools/plan.py times hundreds of runs)."""
+    e = registry.simulated(name)
+    if e.compute_plan is not None:
+        return generate(name, P, N // P)
+    if e.costed_timeline is not None:
+        return registry.load(e.costed_timeline)(P, N, zb_costs or (1.0, 1.0, 1.0))
+    return registry.load(e.timeline)(name, P, N, V)
 
 
 def _has_dropout(m) -> bool:
@@ -281,7 +291,7 @@ def spec_from_config(cfg: PretrainConfig, *, virtual_stages: int = 2, zero3: boo
         compute_bytes=t.compute_bytes, weipipe_grad_bytes=2 if p.weipipe_grad_dtype == "bf16" else 4,
         sequence_parallel=p.sequence_parallel, distributed_optimizer=p.use_distributed_optimizer, zero3=zero3,
         torch_fsdp2=p.use_torch_fsdp2, offload_layer_inputs=offload_checkpoints, attention_impl=attention_impl,
-        dropout=_has_dropout(m), fpdt=fpdt, weight_pass=weight_pass, config=cfg,
+        dropout=_has_dropout(m), fpdt=fpdt, weight_pass=weight_pass, config=cfg, fsdp=sharding_from(cfg),
     )
 
 

@@ -204,3 +204,81 @@ def baselines_table(gpus=(8, 16, 32)) -> str:
             "rows drop or change --intra-link-shared-by and --kernel-efficiency, --link and the GPU count as in the "
             "first table):")
     return "\n".join(lines + ["", note, ""] + [f"    {c}" for c in commands])
+
+
+# TawPipe's 24-GPU setting (the authors' script.py): Llama-style blocks, L=48, h=1024, 32 heads,
+# seq 16384, micro-batch 1, 64 accumulation steps per GPU, 3 nodes of 8 GPUs, NCCL over
+# sockets between nodes (25 GbE); WeiPipe and TawPipe without activation checkpointing, the
+# FSDP baseline (DeepSpeed ZeRO-3) with it; embedding and output layer trained.
+TAWPIPE_MODEL = ("--num-layers 48 --hidden-size 1024 --num-attention-heads 32 --seq-length 16384 "
+                 "--micro-batch-size 1 --vocab-size 32000 --swiglu --ffn-hidden-size 2752 --normalization RMSNorm "
+                 "--disable-bias-linear --position-embedding-type rope --untie-embeddings-and-output-weights "
+                 "--hidden-dropout 0 --attention-dropout 0 --bf16")
+TAWPIPE_CLUSTER = "--gpu a800 --link nvlink-a800,eth25 --gpus-per-node 8"
+TAWPIPE_PAPER = {"weipipe": 0.118, "fsdp": 0.441}
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform"
+
+
+@dataclass(frozen=True)
+class TawPipeVariant:
+    name: str
+    flags: str = ""  # for every column
+    ring_flags: str = ""  # WeiPipe and TawPipe only
+    sharded_flags: str = ""  # FSDP and HSDP only
+
+
+ONE_DTYPE_RING = "--weipipe-grad-dtype bf16"
+ONE_DTYPE_SHARDED = "--fsdp-reduce-dtype bf16"
+TAWPIPE_VARIANTS = (
+    TawPipeVariant("fp32 gradients (this trainer's default)"),
+    TawPipeVariant("one dtype: bf16 gradients everywhere (the authors' fp16 code, ZeRO-3 reducing in fp16)",
+                   ring_flags=ONE_DTYPE_RING, sharded_flags=ONE_DTYPE_SHARDED),
+    TawPipeVariant("one dtype, kernels at 80% of the cost model's speed", "--kernel-efficiency 0.8",
+                   ONE_DTYPE_RING, ONE_DTYPE_SHARDED),
+    TawPipeVariant("one dtype, kernels at 75%", "--kernel-efficiency 0.75", ONE_DTYPE_RING, ONE_DTYPE_SHARDED),
+)
+
+
+def tawpipe_columns(nodes: int, per_node: int):
+    """(label, schedule flags, whether a ring schedule) of each compared column."""
+    hsdp = f"--schedules fsdp --hsdp-replicas {nodes}"
+    return (("TawPipe", "--schedules tawpipe", True),
+            ("WeiPipe-Interleave", "--schedules weipipe-interleave", True),
+            ("FSDP, recompute (paper's)", f"--schedules fsdp {RECOMPUTE}", False),
+            ("FSDP", "--schedules fsdp", False),
+            (f"HSDP {nodes}x{per_node}", hsdp, False),
+            (f"HSDP {nodes}x{per_node}, sync once", f"{hsdp} --fsdp-grad-sync-once", False),
+            (f"HSDP {nodes}x{per_node}, sync once, no reshard", f"{hsdp} --fsdp-grad-sync-once --fsdp-no-reshard",
+             False))
+
+
+def tawpipe_table(model: str = TAWPIPE_MODEL, cluster: str = TAWPIPE_CLUSTER, gpus: int = 24, nodes: int = 3,
+                  accumulation: int = 64, variants=TAWPIPE_VARIANTS) -> str:
+    """Iteration of each column per variant, and TawPipe's gains over WeiPipe and FSDP."""
+    columns = tawpipe_columns(nodes, gpus // nodes)
+    head = ("| variant | " + " | ".join(c[0] for c in columns)
+            + " | TawPipe vs WeiPipe | TawPipe vs FSDP (recompute) | best HSDP vs TawPipe |")
+    lines = [head, "|---" * (4 + len(columns)) + "|"]
+    commands = []
+    base = f"{model} {cluster} --global-batch-size {gpus * accumulation}"
+    for v in variants:
+        times = {}
+        for label, flags, ring in columns:
+            layout = f"--pipeline-model-parallel-size {gpus}" if ring else f"--num-gpus {gpus}"
+            cmd = " ".join(f"{base} {v.flags} {layout} {flags} {v.ring_flags if ring else v.sharded_flags}".split())
+            (r,), _ = run_command(cmd)
+            times[label] = r.iteration_s
+            if v is variants[0]:
+                commands.append(f"python -m tools.simulate {cmd}")
+        taw = times["TawPipe"]
+        hsdp = min(t for k, t in times.items() if k.startswith("HSDP"))
+        lines.append(f"| {v.name} | " + " | ".join(f"{times[c[0]]:.1f} s" for c in columns)
+                     + f" | {times['WeiPipe-Interleave'] / taw - 1:+.1%} | "
+                       f"{times[columns[2][0]] / taw - 1:+.1%} | {taw / hsdp - 1:+.1%} |")
+    lines.append(f"| paper (TawPipe's gain) | | | | | | | | {TAWPIPE_PAPER['weipipe']:+.1%} | "
+                 f"{TAWPIPE_PAPER['fsdp']:+.1%} | |")
+    note = ("Cells: iteration seconds; gains in tokens/s (the other's iteration / TawPipe's - 1); the last column "
+            f"is how much faster the best HSDP is than TawPipe. Commands of the first variant (the others add "
+            f"{ONE_DTYPE_RING} to WeiPipe and TawPipe, {ONE_DTYPE_SHARDED} to FSDP and HSDP, and --kernel-efficiency "
+            "to all):")
+    return "\n".join(lines + ["", note, ""] + [f"    {c}" for c in commands])

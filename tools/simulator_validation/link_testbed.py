@@ -57,7 +57,7 @@ import time
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES
 from tools.simulator_validation import netns
-from tools.simulator_validation.testbed_presets import EFFICIENCY, PRESETS, TBF_BURST_BYTES, host_flops, preset_table
+from tools.simulator_validation.testbed_presets import DEFAULT_PRESETS, EFFICIENCY, PRESETS, TBF_BURST_BYTES, host_flops, preset_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -244,7 +244,7 @@ def table(rows: list[dict]) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    ap.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), choices=list(PRESETS))
     ap.add_argument("--seqs", type=int, nargs="+", default=None,
                     help="sequence lengths (default: 1K..16K at every preset, and 32K at ib-edr)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; every schedule runs once per round")

@@ -7,6 +7,9 @@ Per GPU and direction (the bandwidth one pipeline neighbour can use), and one-wa
 - a800-pcie: PCIe 4.0 x16, 16 GT/s x 16 lanes x 128/130 = 31.5 GB/s per direction (PCI-SIG).
 - ib-edr: InfiniBand EDR, 100 Gb/s = 12.5 GB/s per direction (one HCA per GPU).
 - h100-ib400: InfiniBand NDR, 400 Gb/s = 50 GB/s per direction (one ConnectX-7 per GPU).
+- eth25: 25 GbE, 3.125 GB/s per direction, between A800 nodes (TawPipe's cluster). One NIC per
+  node: the two testbed ranks stand for one rank on each of two nodes, the only sender on
+  its NIC (a pipeline's or a ring's hop), so it gets the whole NIC. Not in the default sweep.
 
 GPU peaks, dense bf16 tensor-core FLOP/s: A800/A100 312 T (NVIDIA A100 datasheet), H100
 SXM5 989 T (NVIDIA H100 datasheet). EFFICIENCY: the fraction of peak a training step's
@@ -50,7 +53,9 @@ PRESETS = {
     "a800-pcie": Preset("A800 SXM4", 312e12, "PCIe 4.0 x16", 31.5e9),
     "ib-edr": Preset("A800 SXM4", 312e12, "InfiniBand EDR 100 Gb/s", 12.5e9),
     "h100-ib400": Preset("H100 SXM5", 989e12, "InfiniBand NDR 400 Gb/s", 50e9),
+    "eth25": Preset("A800 SXM4", 312e12, "25 GbE, one NIC per node", 3.125e9),
 }
+DEFAULT_PRESETS = ("a800-nvlink", "a800-pcie", "ib-edr", "h100-ib400")  # the documented sweep
 
 
 def host_flops(n: int = 1024, reps: int = 5) -> float:
