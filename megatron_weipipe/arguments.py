@@ -25,6 +25,7 @@ from megatron_weipipe.flags import FlagParser, add_flags, from_args
 from megatron_weipipe.fp8_config import FP8Config
 from megatron_weipipe.fpdt.config import FPDTConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
+from megatron_weipipe.offload_config import OffloadConfig
 
 log = logging.getLogger(__name__)
 SEQUENCE_PARALLEL_OFF = ("warning: disabling --sequence-parallel because --tensor-model-parallel-size is 1 "
@@ -44,6 +45,7 @@ SECTIONS = (
     ("fpdt", FPDTConfig, "FPDT (chunked Ulysses attention)"),
     ("training", TrainingConfig, "training"),
     ("fp8", FP8Config, "FP8 (Transformer Engine)"),
+    ("offload", OffloadConfig, "optimizer offload (model state in host memory)"),
     ("data", DataConfig, "data"),
     ("checkpoint", CheckpointConfig, "checkpointing"),
     ("logging", LoggingConfig, "logging"),

@@ -22,6 +22,7 @@ from megatron_weipipe.fpdt.config import FPDTConfig, cp_heads_fit
 from megatron_weipipe.logging_config import LoggingConfig
 from megatron_weipipe.megatron_compat import MegatronCompatConfig
 from megatron_weipipe.model_config import ModelConfig
+from megatron_weipipe.offload_config import OffloadConfig
 from megatron_weipipe.parallel_config import ParallelConfig
 
 # --lr-decay-style: the styles megatron-core's OptimizerParamScheduler runs with the flags
@@ -252,6 +253,7 @@ class PretrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     fpdt: FPDTConfig = field(default_factory=FPDTConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
     world_size: int = 1
     # (iteration, consumed samples) of the checkpoint loaded, once known (training/run_setup.py):
@@ -405,6 +407,9 @@ class PretrainConfig:
                     "--recompute-modules layernorm")
         self.fp8.validate(long_context=self._long_context(),
                           sharded_params=p.use_distributed_optimizer or p.use_torch_fsdp2)
+        self.offload.validate(distributed_optimizer=p.use_distributed_optimizer, fsdp2=p.use_torch_fsdp2,
+                              optimizer=t.optimizer, half=t.bf16 or t.fp16, fp8_param_gather=self.fp8.fp8_param_gather,
+                              fp8_recipe=self.fp8.fp8_recipe)
         if p.use_torch_fsdp2:
             self._validate_fsdp()
 

@@ -328,6 +328,9 @@ class _NullStream:
     def record(self, *args, **kwargs):
         pass
 
+    def wait(self, *args, **kwargs):  # Event.wait(stream)
+        pass
+
     def synchronize(self):
         pass
 

@@ -50,6 +50,8 @@ MEGATRON_FLAGS = """
 --vocab-file --merge-file --tiktoken-pattern --tiktoken-num-special-tokens --tokenizer-special-tokens
 --tiktoken-special-tokens --no-create-attention-mask-in-dataloader --no-mmap-bin-files
 --log-validation-ppl-to-tensorboard --wandb-project --wandb-exp-name --wandb-save-dir --wandb-entity --logging-level
+--optimizer-cpu-offload --optimizer-offload-fraction --use-precision-aware-optimizer --overlap-cpu-optimizer-d2h-h2d
+--no-pin-cpu-grads --no-pin-cpu-params
 """.split()
 
 

@@ -127,6 +127,8 @@ class Ledger:
             if entry is None or entry[2]() is not st:
                 self.note(t)
                 entry = self.live[id(st)]
+            if entry[0] == "host" and role != "host":
+                continue  # where a storage lives is not a role: host memory stays host memory
             self.by_role[entry[0]] -= entry[1]
             entry[0] = role
             self.by_role[role] += entry[1]
@@ -413,7 +415,7 @@ def estimate(cfg, pp_rank: int, vocab: int, platform=None) -> dict:
     platform resolves --attention-backend to: flash mode for torch's fused SDPA)."""
     from megatron_weipipe.simulator.fpdt import analyse
     from megatron_weipipe.simulator.hardware import HOST_LINKS, Cluster, device_preset, link_preset
-    from megatron_weipipe.simulator.project import counter_bytes, rank_memory, state_bytes
+    from megatron_weipipe.simulator.project import counter_bytes, rank_memory, state_split
     from megatron_weipipe.simulator.run_spec import spec_from_config
 
     cfg = replace(cfg, data=replace(cfg.data, vocab_size=vocab))  # the tokenizer's ids, before padding
@@ -429,11 +431,11 @@ def estimate(cfg, pp_rank: int, vocab: int, platform=None) -> dict:
         fp = analyse(spec.shape, spec.fpdt, cluster, cp=spec.layout.cp, tp=spec.layout.tp,
                      dtype_bytes=spec.compute_bytes)
     mem = rank_memory(spec, schedule, fp)[pp_rank]
-    state = state_bytes(spec)
+    split = state_split(spec)  # on the device by role, and on the host (--optimizer-cpu-offload)
     roles = {
-        "parameters": mem.params * state.param / state.param_shards + mem.gathered,
-        "gradients": mem.params * state.grad / state.param_shards,
-        "optimizer_state": mem.params * state.optimizer / state.optimizer_shards,
+        "parameters": mem.params * split.parameters + mem.gathered,
+        "gradients": mem.params * split.gradients,
+        "optimizer_state": mem.params * split.optimizer_state,
         "activations": mem.activations + mem.transient,
         "communication_buffers": mem.buffers,
         "fpdt_chunk_state": mem.chunk_state,

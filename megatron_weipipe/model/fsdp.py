@@ -50,6 +50,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron_weipipe import residency
 from megatron_weipipe.byte_counter import ByteCounter
 
 FSDP_KIND = "fsdp"
@@ -114,6 +115,29 @@ def _masters(module: torch.nn.Module) -> None:
             p.data = p.data.to(torch.float32)
 
 
+def _name_host_grads(units: list[torch.nn.Module]) -> None:
+    """CPUOffloadPolicy: the reduced gradient shards are host memory (a GPU copies the device
+    output there and frees it); named so for the dry run (``residency.host_buffer``) after
+    every unit's post-backward, every unit's at once: FSDP2 may set a unit's gradients in a
+    later unit's post-backward, and skips the reduce-scatter of a group of one."""
+    groups = [g for g in (u._get_fsdp_state()._fsdp_param_group for u in units) if g is not None]
+
+    def name_all() -> None:
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                grad = fsdp_param.sharded_param.grad
+                if grad is not None:
+                    residency.host_buffer(grad.to_local())
+
+    for group in groups:
+        def named(*args, _post_backward=group.post_backward, **kwargs):
+            out = _post_backward(*args, **kwargs)
+            name_all()
+            return out
+
+        group.post_backward = named
+
+
 def fsdp_mesh(group: dist.ProcessGroup, replicas: int, device_type: str):
     """The data x context parallel ranks as FSDP2's mesh: one dimension, or under HSDP
     (replica, shard) over megatron-core's inter- and intra-instance groups."""
@@ -168,7 +192,7 @@ class FullyShardedModel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup, device_type: str, counter: ByteCounter,
                  ddp_config, reshard_after_forward: bool = True, compute_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype = torch.float32, replicas: int = 1,
-                 grad_sync_per_microbatch: bool = True):
+                 grad_sync_per_microbatch: bool = True, offload_policy=None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         super().__init__()
@@ -184,6 +208,8 @@ class FullyShardedModel(torch.nn.Module):
         attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}  # fully_shard drops them
         units = _sharded_units(module)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        if offload_policy is not None:  # --optimizer-cpu-offload: shards, gradients, Adam state on the host
+            kwargs["offload_policy"] = offload_policy
         if compute_dtype != torch.float32:
             # No input casts: the units' floating inputs (hidden states) are already in
             # the compute dtype, and RoPE's fp32 frequencies must stay fp32.
@@ -205,11 +231,17 @@ class FullyShardedModel(torch.nn.Module):
         shard_group = self.mesh.get_group(self.mesh.ndim - 1)
         if replicas > 1:  # FSDP2's own all-reduce across the replicas, with its ring's bytes
             counter.count_group_as(self.mesh.get_group(0), FSDP_KIND, hsdp_all_reduce_bytes)
+        if offload_policy is not None:
+            for p in module.parameters():
+                residency.host_buffer(p.to_local())  # the fp32 shard lives in host memory
         if hasattr(module, "set_custom_all_gather"):  # else (older torch) the process counter sees them
             all_gather, reduce_scatter = _counting_comms(counter, dist.get_world_size(shard_group))
             for unit in [*units, module]:
                 unit.set_custom_all_gather(all_gather)
                 unit.set_custom_reduce_scatter(reduce_scatter)
+
+        if offload_policy is not None:
+            _name_host_grads([*units, module])
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -248,13 +280,15 @@ class FullyShardedModel(torch.nn.Module):
 
 
 def wrap_fsdp(ctx, chunks: list[torch.nn.Module], ddp_config, parallel, compute_dtype: torch.dtype = torch.float32,
-              reduce_dtype: torch.dtype = torch.float32) -> list[FullyShardedModel]:
+              reduce_dtype: torch.dtype = torch.float32, offload_policy=None) -> list[FullyShardedModel]:
     """Shard each chunk over the data x context parallel group, or under HSDP over its
     part of it (fp32 shards; all-gathered in ``compute_dtype``, gradients reduce-scattered
-    in ``reduce_dtype`` under mixed precision); ``parallel`` is the ParallelConfig."""
+    in ``reduce_dtype`` under mixed precision; kept in host memory under ``offload_policy``,
+    FSDP2's CPUOffloadPolicy); ``parallel`` is the ParallelConfig."""
     return [FullyShardedModel(chunk, ctx.groups.data_context, ctx.platform.device_type, ctx.bytes, ddp_config,
                               reshard_after_forward=not parallel.torch_fsdp2_no_reshard_after_forward,
                               compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
                               replicas=parallel.num_distributed_optimizer_instances,
-                              grad_sync_per_microbatch=not parallel.torch_fsdp2_no_grad_sync_per_microbatch)
+                              grad_sync_per_microbatch=not parallel.torch_fsdp2_no_grad_sync_per_microbatch,
+                              offload_policy=offload_policy)
             for chunk in chunks]

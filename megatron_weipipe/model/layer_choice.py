@@ -69,6 +69,9 @@ def check_host(cfg: PretrainConfig, platform: Platform) -> None:
         raise ConfigError(f"--cp-comm-type {kind} is megatron-core's context parallelism, which runs inside Transformer "
                           "Engine's attention on a GPU; this host builds megatron-core's local layers (--cp-comm-type "
                           "a2a, this package's Ulysses/FPDT, runs on every host)")
+    problem = cfg.offload.host_problem(platform.transformer_engine_available())
+    if problem is not None:
+        raise ConfigError(problem)
     if cfg.fp8.enabled:
         problem = cfg.fp8.host_problem(_wants_transformer_engine(cfg, platform), platform.compute_capability())
         if problem is not None:

@@ -21,7 +21,7 @@ from megatron_weipipe.weight_pass import WeightPass
 from megatron_weipipe.schedules import registry
 from megatron_weipipe.schedules.ir.actions import Flow, Kind, Schedule
 
-from . import collectives, memory
+from . import collectives, host_state, memory
 from .costs import CostModel
 from megatron_weipipe.simulator.cluster_replay import EventModel, Trace, replay
 from .fpdt import FPDTReport, analyse
@@ -245,6 +245,13 @@ def state_bytes(spec: RunSpec) -> memory.StateBytes:
     return state
 
 
+def state_split(spec: RunSpec) -> host_state.StateSplit:
+    """The model state's bytes per parameter on the device (by role) and on the host
+    (--optimizer-cpu-offload, carried in the spec's config)."""
+    cfg = spec.config.offload if spec.config is not None else None
+    return host_state.state_split(state_bytes(spec), cfg, spec.torch_fsdp2)
+
+
 def _activation_options(spec: RunSpec) -> memory.ActivationOptions:
     impl, _, core = spec.attention_impl.partition("+")  # "unfused+flash": local layers, fused attention core
     return memory.ActivationOptions(impl=impl, flash_attention=(core == "flash") or None,
@@ -282,7 +289,10 @@ def _layer_terms(spec: RunSpec, o: memory.ActivationOptions, fp: Optional[FPDTRe
 def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> tuple[memory.RankMemory, ...]:
     s, lay = spec.shape, spec.layout
     state = state_bytes(spec)
+    split = state_split(spec)
     gathered = memory.fsdp2_gathered_bytes(s, lay.tp, spec.compute_bytes) if spec.torch_fsdp2 else 0.0
+    if spec.torch_fsdp2 and split.host:
+        gathered += host_state.fsdp2_offload_transit_bytes(s.layer_params(lay.tp), state.param_shards)
     act_opts = _activation_options(spec)
     k = spec.layers_per_chunk
     per_input = memory.layer_input_bytes(s, act_opts)
@@ -294,7 +304,7 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
     out = []
     for r in range(lay.pp):
         params = spec.rank_params(r)
-        model_state = params * state.per_param()
+        model_state = params * split.device
         if spec.torch_fsdp2:
             model_state += memory.fsdp2_option_bytes(params, spec.compute_bytes, spec.fsdp, spec.num_microbatches)
         host = chunk_state = offloaded = 0.0
@@ -340,7 +350,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
             buf = chunk * (b.weights * spec.compute_bytes + b.grads * spec.weipipe_grad_bytes)
             buf += chunk * 4 * 2  # the runtime's flat fp32 master copy and summed chunk gradient
         out.append(memory.RankMemory(params=params, model_state=model_state, activations=acts, buffers=buf,
-                                     transient=transient, host=host + offloaded, chunk_state=chunk_state,
+                                     transient=transient, host=host + offloaded + params * split.host,
+                                     chunk_state=chunk_state,
                                      gathered=gathered))
     return tuple(out)
 

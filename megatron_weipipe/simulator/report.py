@@ -8,7 +8,8 @@ from typing import Sequence
 from megatron_weipipe.batch_sizes import schedule_flag
 
 from .hardware import GB, Cluster, GiB
-from .project import ScheduleResult
+from . import host_state
+from .project import ScheduleResult, state_bytes
 
 
 def fmt_bytes(n: float) -> str:
@@ -86,6 +87,10 @@ def format_results(results: Sequence[ScheduleResult], cluster: Cluster, calibrat
             f"transient {fmt_bytes(worst.transient)}")
         tail = "; ".join(f"{k} {fmt_time(v)}" for k, v in r.phases.items() if v > 0)
         lines.append(f"  pipeline {fmt_time(r.pipeline_s)}" + (f"; {tail}" if tail else ""))
+    line = host_state.summary_line(spec, results[0].memory[0].params, state_bytes(spec), cluster.host_link,
+                                results[0].iteration_s)
+    if line is not None:
+        lines += ["", line]
     fp = results[0].fpdt
     if fp is not None:
         hosts = cluster.gpus_per_node

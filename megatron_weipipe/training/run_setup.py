@@ -35,7 +35,7 @@ def set_up_run(cfg: PretrainConfig, ctx: RunContext, hooks: TrainingHooks, exit_
     vocab = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by, ctx.groups.tp_size)
     schedule: TrainSchedule = registry.train_class(cfg.schedule_name)(cfg, ctx)
     model_chunks = _build_model(cfg, ctx, schedule, hooks, vocab)
-    optimizer = build_optimizer(cfg, model_chunks)
+    optimizer = build_optimizer(cfg, model_chunks, ctx.platform.pin_memory)
     scheduler = build_scheduler(cfg, optimizer)
     faults.set_phase("loading checkpoint")
     loaded = load_checkpoint(cfg, ctx, model_chunks, optimizer, scheduler)

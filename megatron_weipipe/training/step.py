@@ -133,7 +133,7 @@ def optimizer_step(optimizer, clip_grad: float,
                    count_zeros: bool = False) -> tuple[bool, Optional[float], Optional[float]]:
     """megatron-core's ChainedOptimizer.step, split so a NaN/Inf norm can veto the update: the
     same (stepped, grad norm, zeros in the clipped gradients or None) it returns."""
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    from megatron_weipipe.training.optimizer import clip_grads_by_norm
 
     found_inf = optimizer.prepare_grads()
     if found_inf:  # fp16 loss-scale overflow: megatron-core's own skip
@@ -145,7 +145,8 @@ def optimizer_step(optimizer, clip_grad: float,
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             params = opt.get_parameters()
             if params and not getattr(opt, "is_stub_optimizer", False):
-                clip_grad_by_total_norm_fp32(params, max_norm=clip_grad, total_norm=grad_norm)
+                clip_grads_by_norm(params, clip_grad, grad_norm,
+                                   decoupled=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     num_zeros = optimizer.count_zeros() if count_zeros else None
     return optimizer.step_with_ready_grads(), grad_norm, num_zeros
 

@@ -100,8 +100,9 @@ class MegatronSchedule(TrainSchedule):
 
             dtype = torch.bfloat16 if self.cfg.training.bf16 else torch.float32
             reduce_dtype = torch.float32 if self.cfg.training.grad_reduce_in_fp32 else dtype
+            offload = self.cfg.offload.fsdp_offload_policy(self.ctx.platform.pin_memory)
             self.model_chunks = wrap_fsdp(self.ctx, chunks, ddp_config(self.cfg), self.cfg.parallel,
-                                          compute_dtype=dtype, reduce_dtype=reduce_dtype)
+                                          compute_dtype=dtype, reduce_dtype=reduce_dtype, offload_policy=offload)
             config.finalize_model_grads_func = None  # FSDP reduce-scatters in backward
             if self.cfg.parallel.torch_fsdp2_no_grad_sync_per_microbatch:
                 config.no_sync_func = _one_or_list([m.no_sync for m in self.model_chunks])

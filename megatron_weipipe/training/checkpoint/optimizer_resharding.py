@@ -97,6 +97,13 @@ def allocate_state(optimizer) -> None:
     reads the step of every parameter's state, which torch creates only at the first step."""
     opt = single(optimizer)
     init = getattr(opt, "init_state_fn", None)
+    if init is None and hasattr(opt.optimizer, "dummy_step"):
+        # --optimizer-cpu-offload: the hybrid-device optimizer creates its state by stepping
+        # once on random gradients (megatron-core's own load does the same); the load then
+        # overwrites weights and state, and the random draws leave no trace.
+        with torch.random.fork_rng():
+            opt.optimizer.dummy_step()
+        return
     if init is None:
         return
     init(opt.optimizer, opt.config)

@@ -14,7 +14,8 @@ would execute whatever a tampered file asks for:
 - byte objects inside ``.distcp`` files (our RNG state): torch's planner loads them with
   ``weights_only=False``; our planner uses ``weights_only=True``. The RNG state is
   saved as tensors and Python scalars; numpy arrays of numbers (how earlier versions
-  saved it) are the only other thing admitted.
+  saved it) and references to the optimizer classes the hybrid-device optimizer names in
+  its parameter groups (``--optimizer-cpu-offload``) are the only other things admitted.
 
 The same pass checks every shard file against the sizes the metadata promises, so a
 truncated shard fails with one line naming the file instead of deep inside a reader.
@@ -207,7 +208,7 @@ def _safe_planner_class():
 
     class _SafeMCoreLoadPlanner(MCoreLoadPlanner):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            with torch.serialization.safe_globals(_numpy_array_globals()):
+            with torch.serialization.safe_globals(_numpy_array_globals() + _optimizer_classes()):
                 obj = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
@@ -215,6 +216,14 @@ def _safe_planner_class():
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     return _SafeMCoreLoadPlanner
+
+
+def _optimizer_classes() -> list:
+    """The optimizer classes megatron-core's hybrid-device optimizer (--optimizer-cpu-offload)
+    names in its parameter groups: referenced, never instantiated, by the unpickler."""
+    from megatron.core.optimizer import CPUAdam, CPUSGD, Adam, SGD
+
+    return list({CPUAdam, CPUSGD, Adam, SGD})
 
 
 def _numpy_array_globals() -> list:
