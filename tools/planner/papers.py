@@ -66,7 +66,7 @@ def settings() -> list[Setting]:
             f"ALST: Llama-3 8B, {label} tokens, {gpus} x H100", f"{LLAMA3_8B_MODEL} {_seq(seq)}",
             f"--gpu h100 --link nvlink,ib --gpus-per-node {per} --nodes {nodes}",
             "ALST: Ulysses over every GPU, tiled compute, activations and optimizer state offloaded, ZeRO-3",
-            ("--context-parallel-size", str(gpus)) + (("--use-torch-fsdp2",) if gpus > 1 else ()),
+            ("--context-parallel-size", str(gpus), "--use-torch-fsdp2", "--optimizer-cpu-offload"),
             FULL + ("--fpdt", "--fpdt-chunk-size", "65536", "--fpdt-offload", "--offload-layer-inputs")))
     return out
 
@@ -81,8 +81,9 @@ def paper_layout(s: Setting, base: list[str], world: int):
     except Exception as e:  # the trainer's one line
         return None, str(e)
     p = cfg.parallel
-    mode = next(m for m in DATA_PARALLEL_MODES if all(f in flags for f in m.flags) and
-                (m.flags or not (p.use_torch_fsdp2 or p.use_distributed_optimizer)))
+    mode = max((m for m in DATA_PARALLEL_MODES if all(f in flags for f in m.flags) and
+                (m.flags or not (p.use_torch_fsdp2 or p.use_distributed_optimizer))),
+               key=lambda m: len(m.flags))  # the most specific mode the flags name
     st = Structure(p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size,
                    cfg.data_parallel_size, p.pipeline_schedule if p.pipeline_model_parallel_size > 1 else None,
                    p.num_layers_per_virtual_pipeline_stage, mode)
