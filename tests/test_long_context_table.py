@@ -38,12 +38,31 @@ def test_settings_carry_the_stated_flags():
               "--recompute-granularity full", "--use-distributed-optimizer", "--seq-length 2097152",
               "--num-query-groups 8", "--ffn-hidden-size 14336", "--vocab-size 128256"):
         assert f in joined
-    fsdp = lct.headline_rows("fsdp2", 65536)["4m"][1]
-    assert "--use-torch-fsdp2" in fsdp and "--bf16" not in fsdp and "--use-distributed-optimizer" not in fsdp
+    rows = lct.headline_rows("fsdp2", 65536)
+    fsdp = rows["4m"][1]
+    assert "--use-torch-fsdp2" in fsdp and "--bf16" in fsdp and "--use-distributed-optimizer" not in fsdp
+    _, one, world = rows["1m-1gpu"]
+    joined = " ".join(one)
+    assert world == 1 and "--optimizer-cpu-offload" in one and "--use-torch-fsdp2" in one
+    assert "--seq-length 1048576" in joined and "--fpdt-chunk-size 16384" in joined and "--offload-layer-inputs" in one
+    _, big, world = rows["16m"]
+    joined = " ".join(big)
+    assert world == 32 and "--context-parallel-size 32" in joined and "--fpdt-chunk-size 262144" in joined
     flags, world, att = lct.small_setting("plain+flash", 4096)
     assert world == 1 and att == "flash" and "--context-parallel-size" not in flags
     flags, world, att = lct.small_setting("fpdt+offload", 4096)
     assert world == 2 and att == "local" and "--offload-layer-inputs" in flags and "512" in flags
+
+
+def test_which_limit_stops_a_row():
+    # a rank's host budget is its share of one 2 TB node: the whole node for one rank, 250 GB from 8 on
+    assert lct.host_budget(1) == 2e12 and lct.host_budget(4) == 5e11 and lct.host_budget(32) == 2.5e11
+    r = {"world": 8, "peak_accelerator_bytes": 70e9, "host_bytes": 250e9}
+    assert lct.stopped_by(r, 80e9) == "none"
+    assert lct.stopped_by(dict(r, host_bytes=250e9 + 1), 80e9) == "host"
+    assert lct.stopped_by(dict(r, world=1, host_bytes=476e9), 80e9) == "none"
+    assert lct.stopped_by(dict(r, world=1, host_bytes=476e9), 80e9, host=250e9) == "host"
+    assert lct.stopped_by(dict(r, peak_accelerator_bytes=81e9, host_bytes=3e12), 80e9) == "device and host"
 
 
 def test_one_real_dry_run_row():
@@ -54,5 +73,5 @@ def test_one_real_dry_run_row():
     # h=256, 4 layers, byte-level vocab padded to 384: parameters bf16 on the accelerator
     assert 0 < r["categories"]["parameters"] < 20e6 < r["peak_accelerator_bytes"] < 2e9
     line, cmd = lct.row_lines("tiny", r, budget=2e9)
-    assert "| yes (largest:" in line and cmd.strip().startswith("`python -m tools.dry_run")
+    assert "| yes (largest:" in line and "| none |" in line and "4 such jobs" in line and cmd.strip().startswith("`python -m tools.dry_run")
     assert "| no (largest:" in lct.row_lines("tiny", r, budget=r["peak_accelerator_bytes"] - 1)[0]

@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Long-context settings counted by the dry run: does each fit, and the longest that does.
 
-    python -m tools.long_context_table headline [--rows 2m 4m] [--sharding dist-opt|fsdp2] [--jobs N]
+    python -m tools.long_context_table headline [--rows 1m-1gpu 2m 4m 16m] [--sharding dist-opt|fsdp2] [--jobs N]
     python -m tools.long_context_table single-rank [--start 65536]       # 8B on 1 rank of 80 GB
+    python -m tools.long_context_table single-rank --state-on-host --chunk 16384 --host-budget-gb 250
     python -m tools.long_context_table small --budget-gb 2 [--jobs N]     # h=256 L=4: longest S per attention
 
 Every figure comes from `python -m tools.dry_run --json` run as a subprocess (accelerator bytes by
 role, host bytes of the offload pools, sent bytes, and the simulator's estimator beside
 them). "Fits" means the dry run's accelerator peak is at most the budget (80 GB = 80e9 B
-for the headline). Host bytes per node = per rank x ranks per node (8 GPUs per node, a
-DGX H100 with 2 TB of RAM). The longest sequence is bisected: doubling from a start until
+for the headline) and the host bytes at most the rank's share of a node's RAM (a DGX H100:
+8 GPUs, 2 TB; a job of n < 8 ranks has the node to itself, so 2 TB / n each; 250 GB per
+rank from 8 on). Each row names the limit that stops it: device, host or none. The longest sequence is bisected: doubling from a start until
 a length does not fit, then halving the gap on a grid of `lower / --refine` tokens.
 Each row prints the exact dry-run command.
 """
@@ -37,6 +39,7 @@ LLAMA3_8B = ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --grou
              "--untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --bf16 "
              "--micro-batch-size 1 --global-batch-size 1 --lr 1e-4 --train-iters 1").split()
 RECOMPUTE_OFFLOAD = "--recompute-granularity full --recompute-method uniform --offload-layer-inputs".split()
+STATE_ON_HOST = ["--use-torch-fsdp2", "--optimizer-cpu-offload"]  # FSDP2's CPUOffloadPolicy: weights, grads, Adam
 SHARDING = {"dist-opt": ["--use-distributed-optimizer"], "fsdp2": ["--use-torch-fsdp2"], "none": []}
 SMALL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --position-embedding-type rope "
          "--tokenizer-type ByteLevelTokenizer "
@@ -172,27 +175,45 @@ def bisect_longest(fits, start: int, refine: int = 8, limit: int = 1 << 26):
     return ok, bad, trace
 
 
-def headline_rows(sharding: str, chunk: int) -> dict:
+def headline_rows(sharding: str, chunk: int, chunk_16m: int = 262144) -> dict:
+    """name -> (label, flags, world). 1m-1gpu always keeps the model state on the host (the
+    one way 8B fits one 80 GB rank); 16m is CP 32 over 4 nodes."""
     base = LLAMA3_8B + RECOMPUTE_OFFLOAD + SHARDING[sharding]
-    if sharding == "fsdp2":  # FSDP2 runs in float32 here (config.py refuses --bf16 with it)
-        base = [f for f in base if f != "--bf16"]
+    one = LLAMA3_8B + RECOMPUTE_OFFLOAD + STATE_ON_HOST
     return {
+        "1m-1gpu": ("8B, 1M tokens, 1 GPU, state on host", one + seq_flags(1 << 20) + fpdt_flags(1 << 20, 1, 16384), 1),
         "2m": ("8B, 2M tokens, 4 ranks", base + seq_flags(1 << 21) + fpdt_flags(1 << 21, 4, chunk), 4),
         "4m": ("8B, 4M tokens, 8 ranks", base + seq_flags(1 << 22) + fpdt_flags(1 << 22, 8, 2 * chunk), 8),
+        "16m": ("8B, 16M tokens, 32 ranks", base + seq_flags(1 << 24) + fpdt_flags(1 << 24, 32, chunk_16m), 32),
     }
 
 
-def row_lines(name: str, r: dict, budget: float) -> list[str]:
+def host_budget(world: int) -> float:
+    """A rank's share of one node's RAM: the job's ranks on a node split its 2 TB."""
+    return NODE_RAM / min(world, GPUS_PER_NODE)
+
+
+def stopped_by(r: dict, budget: float, host: float | None = None) -> str:
+    """Which limit a row breaks: 'device', 'host', both, or 'none' (it fits)."""
+    host = host_budget(r["world"]) if host is None else host
+    over = [n for n, bad in (("device", r["peak_accelerator_bytes"] > budget), ("host", r["host_bytes"] > host)) if bad]
+    return " and ".join(over) or "none"
+
+
+def row_lines(name: str, r: dict, budget: float, host: float | None = None) -> list[str]:
     e = r["estimator"]
     per_node = r["host_bytes"] * min(r["world"], GPUS_PER_NODE)
+    eight = (f"; {GPUS_PER_NODE // r['world']} such jobs: {r['host_bytes'] * GPUS_PER_NODE / GB:.1f} GB"
+             if r["world"] < GPUS_PER_NODE else "")
     cats = ", ".join(f"{c} {r['categories'][c] / GB:.1f} ({e['categories'][c] / GB:.1f})" for c in CATS)
     fits = "yes" if r["peak_accelerator_bytes"] <= budget else "no"
     top = max(CATS, key=lambda c: r["categories"][c])
     return [f"| {name} | {r['peak_accelerator_bytes']} ({r['peak_accelerator_bytes'] / GB:.1f} GB) | "
             f"{e['peak_accelerator_bytes'] / GB:.1f} GB | {cats} | {r['host_bytes'] / GB:.1f} GB "
             f"({e['host_bytes'] / GB:.1f} GB) | {per_node / GB:.1f} GB of {NODE_RAM / GB:.0f} GB: "
-            f"{'yes' if per_node <= NODE_RAM else 'no'} | {r['sent_bytes'] / GB:.1f} GB "
-            f"({e['sent_bytes'] / GB:.1f} GB) | {fits} (largest: {top}) | {r['wall_s']:.0f} s |",
+            f"{'yes' if per_node <= NODE_RAM else 'no'}{eight} | {r['sent_bytes'] / GB:.1f} GB "
+            f"({e['sent_bytes'] / GB:.1f} GB) | {fits} (largest: {top}) | {stopped_by(r, budget, host)} | "
+            f"{r['wall_s']:.0f} s |",
             f"  `{r['command']}`"] + ([
             f"  (scaled to 32 layers from dry runs of {r['scaling']['probes']} layers; not exactly affine, so "
             f"taken from the last probe: {r['scaling']['inexact'] or 'none'}; per probe (peak, activations, "
@@ -208,8 +229,8 @@ def _probe_figures(r: dict) -> str:
 
 
 HEAD = ("| setting | accelerator peak, dry run | estimator | per role, GB: dry run (estimator) | host per rank "
-        "(estimator) | host per node (DGX H100, 2 TB) | sent (estimator) | fits 80 GB? | dry-run wall |\n"
-        "|---|---|---|---|---|---|---|---|---|")
+        "(estimator) | host per node (DGX H100, 2 TB) | sent (estimator) | fits 80 GB? | stopped by | dry-run wall |\n"
+        "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def run_row(flags, world, a) -> dict:
@@ -220,12 +241,13 @@ def run_row(flags, world, a) -> dict:
 
 
 def cmd_headline(a) -> int:
-    rows = headline_rows(a.sharding, a.chunk)
+    rows = headline_rows(a.sharding, a.chunk, a.chunk_16m)
     todo = [k for k in a.rows]
     with ThreadPoolExecutor(a.jobs) as ex:
         res = dict(zip(todo, ex.map(lambda k: run_row(rows[k][1], rows[k][2], a), todo)))
-    print(f"sharding: {a.sharding}; FPDT chunk {a.chunk} tokens, --fpdt-offload, full recompute, "
-          f"--offload-layer-inputs, --attention flash; budget 80e9 B")
+    print(f"sharding: {a.sharding} (1m-1gpu: {' '.join(STATE_ON_HOST)}); FPDT chunk {a.chunk} tokens at 2M, "
+          f"{2 * a.chunk} at 4M, {a.chunk_16m} at 16M, 16384 at 1M on 1 GPU; --fpdt-offload, full recompute, "
+          f"--offload-layer-inputs, --attention flash; budget 80e9 B, host 2 TB per node of 8 GPUs")
     print(HEAD)
     for k in todo:
         print("\n".join(row_lines(rows[k][0], res[k], 80 * GB)))
@@ -236,16 +258,20 @@ def cmd_headline(a) -> int:
 
 
 def cmd_single_rank(a) -> int:
-    base = LLAMA3_8B + RECOMPUTE_OFFLOAD
+    base = LLAMA3_8B + RECOMPUTE_OFFLOAD + (STATE_ON_HOST if a.state_on_host else [])
+    host = a.host_budget_gb * GB if a.host_budget_gb else NODE_RAM
     seen = {}
 
     def counted(r):  # with --state-off-accelerator: less the gradients and optimizer state at the peak
         off = r["categories"]["gradients"] + r["categories"]["optimizer_state"] if a.state_off_accelerator else 0
         return r["peak_accelerator_bytes"] - off
 
+    def ok_at(s):
+        return counted(seen[s]) <= 80 * GB and seen[s]["host_bytes"] <= host
+
     def fits(s):
         seen[s] = run_row(base + seq_flags(s) + fpdt_flags(s, 1, a.chunk), 1, a)
-        return counted(seen[s]) <= 80 * GB
+        return ok_at(s)
 
     first = fits(a.start)
     state = sum(seen[a.start]["categories"][c] for c in ("parameters", "gradients", "optimizer_state"))
@@ -254,14 +280,15 @@ def cmd_single_rank(a) -> int:
         print(f"model state alone is {state / GB:.1f} GB on the accelerator (> 80 GB, the same at every "
               f"length): no sequence fits")
     else:
-        ok, bad, trace = bisect_longest(lambda s: counted(seen[s]) <= 80 * GB if s in seen else fits(s),
-                                        a.start, a.refine, a.limit)
+        ok, bad, trace = bisect_longest(lambda s: ok_at(s) if s in seen else fits(s), a.start, a.refine, a.limit)
     what = "peak less gradients and optimizer state" if a.state_off_accelerator else "accelerator peak"
-    print(f"8B on 1 rank, FPDT CP=1 chunk {a.chunk}, --fpdt-offload, full recompute, --offload-layer-inputs, "
-          f"counting the {what}: longest fitting {ok or 'none'}, first not fitting {bad}; probes {trace}")
+    print(f"8B on 1 rank{' (' + ' '.join(STATE_ON_HOST) + ')' if a.state_on_host else ''}, FPDT CP=1 chunk "
+          f"{a.chunk}, --fpdt-offload, full recompute, --offload-layer-inputs, counting the {what} against 80e9 B "
+          f"and host bytes against {host / GB:.0f} GB: longest fitting {ok or 'none'}, first not fitting {bad}; "
+          f"probes {trace}")
     print(HEAD)
     for s in sorted(seen):
-        print("\n".join(row_lines(f"8B, S={s}, 1 rank", seen[s], 80 * GB)))
+        print("\n".join(row_lines(f"8B, S={s}, 1 rank", seen[s], 80 * GB, host)))
     return 0
 
 
@@ -330,15 +357,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)
     h = sub.add_parser("headline")
-    h.add_argument("--rows", nargs="+", choices=("2m", "4m"), default=["2m", "4m"])
+    h.add_argument("--rows", nargs="+", choices=("1m-1gpu", "2m", "4m", "16m"), default=["2m", "4m"])
     h.add_argument("--sharding", choices=tuple(SHARDING), default="dist-opt")
     h.add_argument("--chunk", type=int, default=65536)
+    h.add_argument("--chunk-16m", type=int, default=262144,
+                   help="FPDT chunk of the 16m row (64 chunks; 65536 runs 16x the dry run's chunk loop)")
     s1 = sub.add_parser("single-rank")
     s1.add_argument("--start", type=int, default=65536)
     s1.add_argument("--chunk", type=int, default=65536)
     s1.add_argument("--limit", type=int, default=1 << 24)
     s1.add_argument("--state-off-accelerator", action="store_true",
                     help="count the peak less gradients and optimizer state (as if they lived on the host)")
+    s1.add_argument("--state-on-host", action="store_true",
+                    help="run with --use-torch-fsdp2 --optimizer-cpu-offload (the state really on the host)")
+    s1.add_argument("--host-budget-gb", type=float,
+                    help="host bytes a fitting length may use (250: a rank's share of a 2 TB node of 8 GPUs; "
+                         "default the whole node's 2 TB)")
     sm = sub.add_parser("small")
     sm.add_argument("--budget-gb", type=float, default=2.0)
     sm.add_argument("--kinds", nargs="+", default=["plain", "ulysses", "fpdt", "fpdt+offload"])
