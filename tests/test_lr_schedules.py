@@ -136,8 +136,8 @@ def _train_one(rank: int, world_size: int, argv: list[str]) -> dict:
     lrs: list[float] = []
     build = run_setup.build_optimizer
 
-    def keep_optimizer(cfg, chunks):
-        seen["optimizer"] = build(cfg, chunks)
+    def keep_optimizer(cfg, chunks, *args, **kwargs):
+        seen["optimizer"] = build(cfg, chunks, *args, **kwargs)
         return seen["optimizer"]
 
     def before_step(iteration, schedule):

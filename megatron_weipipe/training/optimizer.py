@@ -102,7 +102,10 @@ def _device_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     --optimizer-cpu-offload) are normed where they are and the norm joins ``noop_flag`` on
     the device, where megatron-core all-reduces it."""
     norms = torch.stack([torch.linalg.vector_norm(t) for t in tensor_lists[0]])
-    return torch.linalg.vector_norm(norms).float().reshape(1).to(noop_flag.device), None
+    total = torch.linalg.vector_norm(norms).float().reshape(1)
+    if total.device != noop_flag.device:  # host gradients: their norm goes up, nothing comes down
+        total = total.to(noop_flag.device, non_blocking=True)
+    return total, None
 
 
 def use_device_grad_norm(host_grads: bool = False) -> None:
