@@ -48,6 +48,7 @@ MCORE_TESTS=(
   tests/test_per_token_loss.py tests/test_selective_recompute.py
   tests/test_batch_size_rampup.py
   tests/test_data_bpe_tokenizers.py tests/test_data_loader_flags.py tests/test_wandb_logging.py
+  tests/test_optimizer_offload.py tests/test_fsdp2_options.py
 )
 export MEGATRON_WEIPIPE_OTHER_PYTHON="${MEGATRON_WEIPIPE_OTHER_PYTHON-$(command -v python || true)}"
 if [ "$#" -gt 0 ]; then MCORE_TESTS=("$@"); fi
