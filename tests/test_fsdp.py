@@ -23,6 +23,7 @@ import pytest
 
 from harness import run_distributed
 from harness.runs import tiny_gpt_args
+from harness.fsdp_units import numels_per_unit
 from harness.state import max_relative_difference
 
 from megatron_weipipe.arguments import parse_config
@@ -183,15 +184,7 @@ def test_fsdp_bytes_follow_the_shard_arithmetic(world2, name, microbatches, gath
     from megatron_weipipe.model.fsdp import fsdp_bytes
 
     result = world2[name][0]
-    per_unit: dict[str, int] = {}
-    for name, (local_numel, _) in result["local"].items():
-        unit = "root"
-        if name.startswith("embedding."):
-            unit = "embedding"
-        elif name.startswith("decoder.layers."):
-            unit = "layer" + name.split(".")[2]
-        per_unit[unit] = per_unit.get(unit, 0) + local_numel
-    assert set(per_unit) == {"embedding", "layer0", "layer1", "root"}
+    per_unit = numels_per_unit({name: local_numel for name, (local_numel, _) in result["local"].items()})
     gathers = sum(2 * fsdp_bytes(n * gathered, 2) for n in per_unit.values())
     scatters = sum(fsdp_bytes(n * 4, 2) for n in per_unit.values())
     expected = microbatches * (gathers + scatters)

@@ -25,6 +25,7 @@ import pytest
 
 from harness import run_distributed
 from harness.runs import tiny_gpt_args
+from harness.fsdp_units import numels_per_unit
 from harness.state import max_relative_difference
 
 from megatron_weipipe.arguments import parse_config
@@ -167,16 +168,7 @@ def fsdp2_options_bytes(unit_shards: list[int], shards: int, replicas: int, micr
 
 
 def _unit_shards(local: dict[str, int]) -> list[int]:
-    units: dict[str, int] = {}
-    for name, n in local.items():
-        unit = "root"
-        if name.startswith("embedding."):
-            unit = "embedding"
-        elif name.startswith("decoder.layers."):
-            unit = "layer" + name.split(".")[2]
-        units[unit] = units.get(unit, 0) + n
-    assert set(units) == {"embedding", "layer0", "layer1", "root"}
-    return list(units.values())
+    return list(numels_per_unit(local).values())
 
 
 @pytest.mark.parametrize("name, gathers, reductions", [("hsdp", 2, MICROBATCHES), ("hsdp-options", 1, 1)])
