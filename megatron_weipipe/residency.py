@@ -33,6 +33,12 @@ def host_buffer(t):
     return t
 
 
+def observed() -> bool:
+    """Whether anything (the dry run) is observing host buffers: callers that must walk
+    tensors to mark them skip the walk otherwise."""
+    return bool(_observers)
+
+
 @contextlib.contextmanager
 def observing(fn: Callable) -> Iterator[None]:
     """Call ``fn(tensor)`` for every host buffer marked while the block runs."""

@@ -123,6 +123,8 @@ def _name_host_grads(units: list[torch.nn.Module]) -> None:
     groups = [g for g in (u._get_fsdp_state()._fsdp_param_group for u in units) if g is not None]
 
     def name_all() -> None:
+        if not residency.observed():  # only the dry run reads the names; training skips the walk
+            return
         for group in groups:
             for fsdp_param in group.fsdp_params:
                 grad = fsdp_param.sharded_param.grad
