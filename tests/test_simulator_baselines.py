@@ -222,14 +222,36 @@ def test_testbed_row_prediction_follows_the_link_and_the_costs():
     assert fast["1f1b"].counter[0]["activations"] == 4 * seq * 128 * 4
     rows = [{"preset": "ib-edr", "seq": seq, "schedule": n, "tokens_per_s": fast[n].tokens_per_s * 1.1,
              "bytes_sent": 1} for n in ("1f1b", "weipipe-interleave")]
-    out = compare_rows(rows, {("ib-edr", seq, n): fast[n].tokens_per_s for n in ("1f1b", "weipipe-interleave")})
+    out = compare_rows(rows, {("ib-edr", seq, 4, n): fast[n].tokens_per_s for n in ("1f1b", "weipipe-interleave")})
     assert all(r["error"] == pytest.approx(1 / 1.1 - 1) and r["order_matches"] for r in out)
     for r in rows:  # measured in the reverse order of the prediction
         r["tokens_per_s"] = 1.0 / fast[r["schedule"]].tokens_per_s
     assert not any(r["order_matches"] for r in compare_rows(rows, {k: v for k, v in (
-        (("ib-edr", seq, n), fast[n].tokens_per_s) for n in ("1f1b", "weipipe-interleave"))}))
+        (("ib-edr", seq, 4, n), fast[n].tokens_per_s) for n in ("1f1b", "weipipe-interleave"))}))
     with pytest.raises(Exception, match="calibration is of"):
         predict_testbed_row("1f1b", 2048, 1e9, 0.0, cal, _shape())
+
+
+def test_testbed_fsdp2_option_rows_send_what_the_trainer_sends():
+    """The FSDP2 rows' predicted bytes follow the identities the testbed smoke measures
+    (tests/test_link_testbed.py): per unit, G microbatches per rank, plain G(2A + R), no
+    reshard and one sync GA + R; one sync alone equals plain at G = 1 and is faster at G = 2."""
+    from dataclasses import replace
+
+    from megatron_weipipe.simulator.testbed import predict_testbed_row
+
+    seq, cal = 1024, _calibration(1024)
+
+    def row(name, mb):
+        return predict_testbed_row(name, seq, 1e8, 0.0, cal, replace(_shape(), microbatches=mb))
+
+    sent = {(n, mb): row(n, mb).counter[0]["fsdp"] for n in ("fsdp", "fsdp-no-reshard-sync-once", "fsdp-sync-once")
+            for mb in (2, 4)}
+    assert sent["fsdp", 4] == 2 * sent["fsdp", 2]
+    assert sent["fsdp-no-reshard-sync-once", 4] - sent["fsdp-no-reshard-sync-once", 2] \
+        == sent["fsdp", 2] - sent["fsdp-no-reshard-sync-once", 2] > 0
+    assert sent["fsdp-sync-once", 2] == sent["fsdp", 2] and sent["fsdp-sync-once", 4] < sent["fsdp", 4]
+    assert row("fsdp-sync-once", 4).iteration_s < row("fsdp", 4).iteration_s
 
 
 def test_testbed_row_takes_the_measured_fixed_costs():
@@ -318,7 +340,7 @@ def test_testbed_compare_predicts_from_the_in_run_calibration(tmp_path, capsys):
         argv = ["--testbed-json", str(saved), "--calibration-dir", str(cal_dir), "--message-delay-us", "0", *extra]
         assert testbed_compare.main(argv) == 0
         out = capsys.readouterr().out
-        table = {line.split("|")[3].strip(): line.split("|")[5] for line in out.splitlines()
+        table = {line.split("|")[4].strip(): line.split("|")[6] for line in out.splitlines()
                  if line.startswith("| ib-edr")}
         return out, {k: float(v.split("[")[0]) for k, v in table.items()}, {k: v for k, v in table.items()}
 
@@ -365,7 +387,7 @@ def test_testbed_compare_spans_the_fsdp2_probes_rounds(tmp_path, capsys):
         (cal_dir / f"fsdp2-{name}.json").write_text(over.to_json())
         assert testbed_compare.main(["--testbed-json", str(saved), "--calibration-dir", str(cal_dir),
                                      "--message-delay-us", "0"]) == 0
-        cell = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| ib-edr")).split("|")[5]
+        cell = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| ib-edr")).split("|")[6]
         lo, hi = (float(x) for x in cell.split("[")[1].split("]")[0].split(","))
         return float(cell.split("[")[0]), lo, hi
 

@@ -4,7 +4,9 @@ The testbed runs the trainer on two ranks, each pinned to its own core with one 
 over a veth link shaped by tc to an emulated rate and latency, in float32 with torch's
 SDPA attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (1f1b,
 interleaved with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1,
-DP = 2). The prediction replays the same schedule with the costs of a HostCalibration of
+DP = 2), this last under each of FSDP2's options (no reshard after forward, one gradient
+sync per iteration, both): ``TESTBED_ROWS`` is the one map from a row's name to what the
+trainer runs and what the simulator replays. The prediction replays the same schedule with the costs of a HostCalibration of
 the same shape (layer forward / backward, embedding, head, optimizer step, timed by
 training/host_calibration.py), the trainer's fixed costs (tools/simulator_validation/fsdp2_overhead.py: FSDP2's
 per unit, the training loop's per iteration) and the emulated link as tc shapes it: its
@@ -30,9 +32,57 @@ from .hardware import CPU_HOST, Cluster, LinkSpec
 from megatron_weipipe.simulator.rank_order import Layout
 from .project import ScheduleResult, simulate_run
 from .run_spec import RunSpec
+from .sharding import FsdpSharding
 
-TESTBED_SCHEDULES = ("1f1b", "interleaved", "weipipe-interleave", "weipipe-zb", "fsdp")
 BYTE_LEVEL_VOCAB = 259  # ByteLevelTokenizer: 256 bytes, EOD, PAD, BOS (the testbed's --tokenizer-type)
+
+
+@dataclass(frozen=True)
+class TestbedRow:
+    """One kind of testbed row: a pipeline of the two ranks under ``schedule``, or FSDP2
+    over both (the registry's FSDP projection) with the options of ``sharding``."""
+
+    name: str
+    schedule: str  # the registry's name: what the trainer runs and the simulator replays
+    sharding: FsdpSharding = FsdpSharding()
+
+    @property
+    def is_fsdp(self) -> bool:
+        return registry.simulated(self.schedule).projection == registry.FSDP
+
+    @property
+    def virtual_stages(self) -> bool:
+        return bool(registry.simulated(self.schedule).virtual_stages)
+
+    def trainer_flags(self, layers: int) -> list[str]:
+        """pretrain_gpt.py's flags of this row on two ranks (besides the model's)."""
+        if self.is_fsdp:
+            return ["--pipeline-model-parallel-size", "1", "--use-torch-fsdp2",
+                    *(["--torch-fsdp2-no-reshard-after-forward"] if not self.sharding.reshard_after_forward else []),
+                    *(["--torch-fsdp2-no-grad-sync-per-microbatch"] if not self.sharding.grad_sync_per_microbatch
+                      else [])]
+        extra = ["--num-layers-per-virtual-pipeline-stage", str(layers // 4)] if self.virtual_stages else []
+        return ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", self.schedule, *extra]
+
+
+_ONCE = FsdpSharding(grad_sync_per_microbatch=False)
+TESTBED_ROWS = {r.name: r for r in (
+    TestbedRow("1f1b", "1f1b"), TestbedRow("interleaved", "interleaved"),
+    TestbedRow("weipipe-interleave", "weipipe-interleave"), TestbedRow("weipipe-zb", "weipipe-zb"),
+    TestbedRow("fsdp", "fsdp"),
+    TestbedRow("fsdp-no-reshard", "fsdp", FsdpSharding(reshard_after_forward=False)),
+    TestbedRow("fsdp-sync-once", "fsdp", _ONCE),
+    TestbedRow("fsdp-no-reshard-sync-once", "fsdp", FsdpSharding(reshard_after_forward=False,
+                                                                 grad_sync_per_microbatch=False)),
+)}
+TESTBED_SCHEDULES = tuple(TESTBED_ROWS)  # the rows' names, in the tables' order
+# HSDP shards inside a group and replicates across groups: on the testbed's two ranks a group
+# of one rank is DDP over FSDP2, so HSDP has no row (it needs four ranks, the testbed has two cores)
+
+
+def testbed_row(name: str) -> TestbedRow:
+    require_simulable(name in TESTBED_ROWS, f"testbed row {name!r} is not one of {', '.join(TESTBED_ROWS)}")
+    return TESTBED_ROWS[name]
 
 
 @dataclass(frozen=True)
@@ -53,18 +103,13 @@ class TestbedShape:
 
 
 def testbed_spec(schedule: str, seq: int, shape: TestbedShape = TestbedShape()) -> RunSpec:
-    """The RunSpec of one testbed row (validated by the training rules)."""
-    require_simulable(schedule in TESTBED_SCHEDULES, f"testbed schedule {schedule!r} is not one of {', '.join(TESTBED_SCHEDULES)}")
-    fsdp = _is_fsdp(schedule)
-    layout = Layout(pp=1, dp=2) if fsdp else Layout(pp=2)
-    return RunSpec(shape=shape.model(seq), layout=layout, global_batch_size=shape.microbatches, schedule=schedule,
-                   virtual_stages=2, compute_bytes=4, attention_impl="unfused+flash", dropout=False,
-                   zero3=fsdp).validate()
-
-
-def _is_fsdp(schedule: str) -> bool:
-    """The FSDP row: PP = 1 and DP = 2 on the testbed's two ranks (the registry's FSDP projection)."""
-    return registry.simulated(schedule).projection == registry.FSDP
+    """The RunSpec of one testbed row (``schedule``: a name of ``TESTBED_ROWS``), validated
+    by the training rules."""
+    row = testbed_row(schedule)
+    layout = Layout(pp=1, dp=2) if row.is_fsdp else Layout(pp=2)
+    return RunSpec(shape=shape.model(seq), layout=layout, global_batch_size=shape.microbatches,
+                   schedule=row.schedule, virtual_stages=2, compute_bytes=4, attention_impl="unfused+flash",
+                   dropout=False, zero3=row.is_fsdp, fsdp=row.sharding).validate()
 
 
 def testbed_cluster(rate_bytes_s: float, latency_s: float, cpu_s_per_byte: float = 0.0,
@@ -99,7 +144,7 @@ def predict_testbed_row(schedule: str, seq: int, rate_bytes_s: float, latency_s:
     costs = from_calibration(calibration, spec.layers_per_chunk, recompute=False, weight_pass=WeightPass.STORED)
     if calibration.optimizer_per_param <= 0:
         costs = replace(costs, optimizer_per_param=0.0)
-    fsdp_measured = _is_fsdp(schedule) and fsdp2 is not None
+    fsdp_measured = testbed_row(schedule).is_fsdp and fsdp2 is not None
     if fsdp_measured:
         costs = replace(costs, fsdp_unit_forward=fsdp2.unit_forward_s, fsdp_unit_backward=fsdp2.unit_backward_s,
                         fsdp_step=fsdp2.step_s)
@@ -148,26 +193,33 @@ def order_matches(measured: dict, predicted: dict) -> bool:
     return checked == alike
 
 
+def row_key(r: dict) -> tuple:
+    """(preset, seq, microbatches, schedule) of a measured row: a group is one preset,
+    sequence and batch (a row from before the testbed took several batches ran the default)."""
+    return r["preset"], r["seq"], r.get("microbatches", TestbedShape.microbatches), r["schedule"]
+
+
 def compare_rows(rows: list[dict], predicted: dict) -> list[dict]:
-    """Measured vs predicted per row, and per (preset, seq) whether the schedules' order
-    (fastest first) is the same where the measurement and the prediction order them
-    (`order_matches`). ``predicted``: (preset, seq, schedule) -> tokens/s, or (tokens/s, min,
-    max) over calibration sets. The row's compute seconds per iteration
-    (``busy_s_per_rank``, slowest rank) ride along."""
+    """Measured vs predicted per row, and per (preset, seq, microbatches) whether the
+    schedules' order (fastest first) is the same where the measurement and the prediction
+    order them (`order_matches`). ``predicted``: `row_key` -> tokens/s, or (tokens/s, min,
+    max) over calibration sets. The row's compute seconds per iteration (``busy_s_per_rank``,
+    slowest rank) ride along."""
     groups: dict = {}
     for r in rows:
-        key = (r["preset"], r["seq"], r["schedule"])
+        key = row_key(r)
         if r.get("tokens_per_s") and key in predicted:
             busy = max(r["busy_s_per_rank"]) if r.get("busy_s_per_rank") else None
             rounds = r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]
             p = predicted[key] if isinstance(predicted[key], tuple) else (predicted[key],) * 3
-            groups.setdefault(key[:2], {})[key[2]] = ((r["tokens_per_s"], min(rounds), max(rounds)), p,
+            groups.setdefault(key[:3], {})[key[3]] = ((r["tokens_per_s"], min(rounds), max(rounds)), p,
                                                       r.get("bytes_sent"), busy)
     out = []
-    for (preset, seq), got in groups.items():
+    for (preset, seq, mb), got in groups.items():
         checked, alike = ordered_pairs({k: v[0] for k, v in got.items()}, {k: v[1] for k, v in got.items()})
         for name, ((measured, _, _), pred, sent, busy) in got.items():
-            out.append({"preset": preset, "seq": seq, "schedule": name, "measured": measured, "predicted": pred[0],
-                        "predicted_range": pred[1:], "error": pred[0] / measured - 1, "bytes_sent": sent,
-                        "order_matches": checked == alike, "pairs": (checked, alike), "computing_s": busy})
+            out.append({"preset": preset, "seq": seq, "microbatches": mb, "schedule": name, "measured": measured,
+                        "predicted": pred[0], "predicted_range": pred[1:], "error": pred[0] / measured - 1,
+                        "bytes_sent": sent, "order_matches": checked == alike, "pairs": (checked, alike),
+                        "computing_s": busy})
     return out

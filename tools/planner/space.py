@@ -54,6 +54,9 @@ DATA_PARALLEL_MODES: tuple[DataParallelMode, ...] = (
                      sharded=True),
     DataParallelMode("fsdp2, grad sync once", ("--use-torch-fsdp2", "--torch-fsdp2-no-grad-sync-per-microbatch"),
                      sharded=True),
+    DataParallelMode("fsdp2, no reshard, grad sync once",
+                     ("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward",
+                      "--torch-fsdp2-no-grad-sync-per-microbatch"), sharded=True),
     # weights, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy): differs
     # from ddp even on one rank
     DataParallelMode("fsdp2, state on host", ("--use-torch-fsdp2", "--optimizer-cpu-offload"), sharded=False),

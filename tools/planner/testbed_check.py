@@ -7,7 +7,7 @@ A group is one (preset, sequence, model shape, microbatches) of docs/results/lin
 measured tables: two ranks over an emulated link. The planner's layouts for it are those
 of its own space (space.py: the trainer's start-up code accepts them at two ranks) that the
 testbed ran: PP = 2 under each measured pipeline schedule (interleaved at 2 virtual stages),
-and FSDP2 over DP = 2. It ranks them by the simulator with this host's costs, exactly as the
+and FSDP2 over DP = 2, plain and under each of its options. It ranks them by the simulator with this host's costs, exactly as the
 simulator's testbed check predicts a row (tools/simulator_validation/testbed_compare.py:
 layer timings of this host, the emulated link as tc shapes it, FSDP2's and the training loop's
 fixed costs), at the host FLOP/s the sweep recorded. Its first choice is a hit when it is the
@@ -81,12 +81,17 @@ def testbed_flags(g: Group) -> list[str]:
 
 
 def testbed_name(c) -> Optional[str]:
-    """The testbed row a planner candidate is (None: a layout the testbed did not run)."""
+    """The testbed row a planner candidate is (None: a layout the testbed did not run): an
+    FSDP2 row is the one whose trainer flags are the candidate's data-parallel mode's."""
+    from megatron_weipipe.simulator.testbed import TESTBED_ROWS
+
     st = c.structure
     if c.rung.name != "none" or st.tp != 1 or st.cp != 1:
         return None
-    if st.pp == 1 and st.dp == 2 and st.mode.name == "fsdp2":
-        return "fsdp"
+    if st.pp == 1 and st.dp == 2:
+        layers = c.config.model.num_layers
+        return next((n for n, row in TESTBED_ROWS.items() if row.is_fsdp and set(st.mode.flags)
+                     == set(row.trainer_flags(layers)) - {"--pipeline-model-parallel-size", "1"}), None)
     if st.pp == 2 and st.mode.name == "ddp":
         if st.virtual_layers is not None and st.virtual_layers * 4 != c.config.model.num_layers:
             return None  # the testbed's interleaved runs 2 virtual stages per rank

@@ -2,6 +2,7 @@
 and the training loop's own cost per iteration.
 
     python -m tools.simulator_validation.fsdp2_overhead [--seq 512] [--rounds 2] [--layers 2 --hidden 32 --heads 2]
+        [--row fsdp-sync-once]    # the fixed costs under one of FSDP2's options (a testbed row)
 
 Two ranks on loopback (no namespaces, no shaping), each pinned to its own core with one
 thread, run the link testbed's model (link_testbed.py's command line) as PP = 1,
@@ -40,6 +41,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DDP_ARGV = ["--pipeline-model-parallel-size", "1"]
 
 
+def _fsdp_rows() -> tuple[str, ...]:
+    from megatron_weipipe.simulator.testbed import TESTBED_ROWS
+
+    return tuple(n for n, row in TESTBED_ROWS.items() if row.is_fsdp)
+
+
+FSDP_ROWS = _fsdp_rows()
+
+
 def units(layers: int) -> int:
     """FSDP units of the trainer's model: the embedding, each layer, the root (link_testbed.py's
     model is untied: the root holds the final norm and the output layer)."""
@@ -50,15 +60,17 @@ def measure(a) -> dict:
     """Per round, the mean forward and backward seconds of one microbatch under FSDP2 and DDP."""
     from megatron_weipipe.schedules.timing import measured
     from tools.simulator_validation import netns
-    from tools.simulator_validation.link_testbed import model_argv, schedule_argv
+    from megatron_weipipe.simulator.testbed import testbed_row
+    from tools.simulator_validation.link_testbed import model_argv
 
     with tempfile.TemporaryDirectory(prefix="fsdp2_overhead") as work:
         jobs = []
         for r in range(a.rounds):
-            for name, extra in (("fsdp", schedule_argv("fsdp", a)), ("ddp", DDP_ARGV))[::1 if r % 2 == 0 else -1]:
+            fsdp_argv = testbed_row(a.row).trainer_flags(a.layers)
+            for name, extra in (("fsdp", fsdp_argv), ("ddp", DDP_ARGV))[::1 if r % 2 == 0 else -1]:
                 trace = os.path.join(work, f"{name}-{r}")
                 jobs.append({"key": [r, name], "trace": trace,
-                             "argv": model_argv(a.seq, a) + extra + ["--schedule-trace", trace]})
+                             "argv": model_argv(a.seq, a.microbatches, a) + extra + ["--schedule-trace", trace]})
         jobs_path = os.path.join(work, "jobs.json")
         with open(jobs_path, "w") as f:
             json.dump(jobs, f)
@@ -152,6 +164,8 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8, help="per iteration: 4 per rank")
     ap.add_argument("--iters", type=int, default=6, help="iterations per run; the first is not measured")
+    ap.add_argument("--row", default="fsdp", choices=FSDP_ROWS,
+                    help="the testbed's FSDP2 row to probe: plain, or under FSDP2's options")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--netns", action="store_true",
                     help="each rank in its own network namespace over an unshaped veth pair, as the testbed runs "
@@ -174,7 +188,8 @@ def main(argv=None) -> int:
     print(f"# command: python -m tools.simulator_validation.fsdp2_overhead {' '.join(sys.argv[1:] if argv is None else argv)}")
     where = "over a veth pair" if a.netns else "on loopback"
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}; wall {time.time() - t0:.0f}s; 2 ranks {where}, 1 core and 1 "
-          f"thread each; layers={a.layers} hidden={a.hidden} heads={a.heads} seq={a.seq}; {res['units']} FSDP units")
+          f"thread each; layers={a.layers} hidden={a.hidden} heads={a.heads} seq={a.seq}; {res['units']} FSDP units; "
+          f"row {a.row}")
     print("| pass | FSDP2 s/microbatch | DDP s/microbatch | FSDP2 - DDP | per unit |")
     print("|---|---|---|---|---|")
     for kind in ("forward", "backward"):

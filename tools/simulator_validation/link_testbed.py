@@ -1,4 +1,4 @@
-"""Schedules side by side over an emulated link: 1F1B, interleaved, WeiPipe, FSDP; real trainer runs.
+"""Schedules side by side over an emulated link: 1F1B, interleaved, WeiPipe, FSDP2; real trainer runs.
 
 Two ranks, each in its own network namespace (netns.py: veth pair through a bridge,
 addresses 10.213.<net>.1/.2), each pinned to its own core (taskset) with one thread, the
@@ -15,11 +15,17 @@ t x g/h and b/B x g/h: the ratio of compute to communication is the cluster's.
 Each preset is one pair of rank processes (testbed_rank.py) that runs the trainer's
 pretrain() (what pretrain_gpt.py runs) once per (sequence, round, schedule): the same
 model, data (mock) and seed for every schedule, the schedules' order rotating each round so
-they interleave in time. Sequences run in increasing order: rounds that visited every
+they interleave in time. The rows are megatron_weipipe/simulator/testbed.py's
+TESTBED_ROWS: the pipeline schedules at PP = 2, and FSDP2 at DP = 2 plain and under each of
+its options. --microbatches takes several global batches (micro-batch 1): a pipeline rank
+runs every microbatch of the batch, an FSDP2 rank half of them, so `--microbatches 2 8 32`
+is 1, 4 and 16 microbatches per FSDP2 rank at the same tokens per iteration for every row;
+each (sequence, batch) is a group of its own, its rounds interleaved like the others. Sequences run in increasing order: rounds that visited every
 sequence in turn (so that a row's rounds spread over the preset's minutes) made the 1K-2K
 runs that followed 16K-32K runs in the same process compute 10-20% slower. Each run
 trains a warm-up iteration, which is not measured, and then as many as make its tokens
-those of one 16K-token iteration (16 at 1K, 1 from 16K on; --iters fixes the count), so a
+those of one 16K-token iteration of 4 microbatches (16 at 1K and 4 microbatches, 1 from 16K
+on; --iters fixes the count), so a
 short sequence's row is a median over as much work as a long one's rather than over one
 iteration of tens of milliseconds.
 Before each sequence's runs both ranks time the model's layers at that sequence on their
@@ -37,6 +43,7 @@ per iteration (process time: the work, whatever else shares the core).
   python -m tools.simulator_validation.link_testbed                                  # the whole sweep (docs/results/link-testbed.md)
   python -m tools.simulator_validation.link_testbed --presets ib-edr --seqs 4096 8192 16384 --rounds 3
   python -m tools.simulator_validation.link_testbed --presets ib-edr --seqs 1024 --rounds 1 --json
+  python -m tools.simulator_validation.link_testbed --presets ib-edr eth25 --seqs 16384 --microbatches 8 32
 
 Needs root, iproute2 (ip, tc with netem), util-linux (taskset, nsenter, unshare).
 """
@@ -54,8 +61,7 @@ import sys
 import tempfile
 import time
 
-from megatron_weipipe.schedules import registry
-from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES
+from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES, testbed_row
 from tools.simulator_validation import netns
 from tools.simulator_validation.testbed_presets import DEFAULT_PRESETS, EFFICIENCY, PRESETS, TBF_BURST_BYTES, host_flops, preset_table
 
@@ -67,44 +73,38 @@ LONG = {"ib-edr": (32768,)}  # 32K only at ib-edr
 NOTES: set[str] = set()
 
 
-MEASURED_TOKENS = 16384  # per run and microbatch: the tokens of one 16K iteration
+MEASURED_TOKENS = 4 * 16384  # per run: the tokens of one 16K iteration of 4 microbatches
 
 
-def iterations(seq: int, a) -> int:
-    """Iterations per run: --iters, or a warm-up and MEASURED_TOKENS // seq (at least 1) measured."""
-    return a.iters if a.iters else 1 + max(1, MEASURED_TOKENS // seq)
+def iterations(seq: int, microbatches: int, a) -> int:
+    """Iterations per run: --iters, or a warm-up and MEASURED_TOKENS // (seq x microbatches)
+    (at least 1) measured."""
+    return a.iters if a.iters else 1 + max(1, MEASURED_TOKENS // (seq * microbatches))
 
 
-def model_argv(seq: int, a) -> list[str]:
+def model_argv(seq: int, microbatches: int, a) -> list[str]:
     return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
             "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--position-embedding-type", "rope",
-            "--micro-batch-size", "1", "--global-batch-size", str(a.microbatches), "--train-iters", str(iterations(seq, a)),
+            "--micro-batch-size", "1", "--global-batch-size", str(microbatches), "--train-iters", str(iterations(seq, microbatches, a)),
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
             "--tokenizer-type", "ByteLevelTokenizer", "--make-vocab-size-divisible-by", "128", "--eval-iters", "0",
             "--log-interval", "1", "--seed", "1234", "--distributed-backend", "gloo",
             "--untie-embeddings-and-output-weights"]  # one model for every row (FSDP needs it untied)
 
 
-def schedule_argv(name: str, a) -> list[str]:
-    entry = registry.simulated(name)
-    if entry.projection == registry.FSDP:  # PP=1, DP=2: torch's fully_shard over the megatron-core model
-        return ["--pipeline-model-parallel-size", "1", "--use-torch-fsdp2"]
-    extra = ["--num-layers-per-virtual-pipeline-stage", str(a.layers // 4)] if entry.virtual_stages else []
-    return ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", name, *extra]
-
-
-def runnable(seq: int, a) -> dict[str, str | None]:
+def runnable(seq: int, microbatches: int, a) -> dict[str, str | None]:
     """Schedule -> None if the trainer accepts its command line, else the one-line reason."""
     from megatron_weipipe.arguments import parse_config
     from megatron_weipipe.errors import ConfigError
 
     out = {}
     for name in a.schedules:
-        if registry.simulated(name).virtual_stages and (a.layers % 4 or a.layers < 4):
+        row = testbed_row(name)
+        if row.virtual_stages and (a.layers % 4 or a.layers < 4):
             out[name] = f"needs --layers a multiple of 4 (2 ranks x 2 virtual stages), not {a.layers}"
             continue
         try:
-            parse_config(model_argv(seq, a) + schedule_argv(name, a), world_size=2)
+            parse_config(model_argv(seq, microbatches, a) + row.trainer_flags(a.layers), world_size=2)
             out[name] = None
         except (ConfigError, SystemExit) as e:
             out[name] = f"the trainer refuses it here: {e}"
@@ -112,24 +112,25 @@ def runnable(seq: int, a) -> dict[str, str | None]:
 
 
 def run_preset(preset: str, seqs, a, flops: float, work: str) -> tuple[list[dict], dict]:
-    """All (seq, round, schedule) runs of one preset in one pair of rank processes: the rows,
-    and {seq: [each rank's in-run calibration]}."""
+    """All (seq, microbatches, round, schedule) runs of one preset in one pair of rank
+    processes: the rows, and {seq: [each rank's in-run calibration]}."""
     p = PRESETS[preset]
     rate_bps, latency_s = p.emulated(flops)
     jobs, skipped = [], {}
     for seq in seqs:  # sequence by sequence: a short run after long ones computes 10-20% slower here
-        ok = runnable(seq, a)
-        skipped[seq] = {n: why for n, why in ok.items() if why}
-        names = [n for n in a.schedules if not ok[n]]
         if a.calibrate_repeats:
-            jobs.append({"key": [seq, -1, "calibration"], "calibrate": {
+            jobs.append({"key": [seq, 0, -1, "calibration"], "calibrate": {
                 "seq": seq, "layers": a.layers, "hidden": a.hidden, "heads": a.heads, "repeats": a.calibrate_repeats,
                 "min_seconds": a.calibrate_seconds}})
-        for r in range(a.rounds):
-            for n in names[r % len(names):] + names[:r % len(names)]:
-                trace = os.path.join(work, f"{preset}-{seq}-{r}-{n}")
-                jobs.append({"key": [seq, r, n], "trace": trace,
-                             "argv": model_argv(seq, a) + schedule_argv(n, a) + ["--schedule-trace", trace]})
+        for mb in a.microbatches:
+            ok = runnable(seq, mb, a)
+            skipped[seq, mb] = {n: why for n, why in ok.items() if why}
+            names = [n for n in a.schedules if not ok[n]]
+            for r in range(a.rounds):
+                for n in names[r % len(names):] + names[:r % len(names)]:
+                    trace = os.path.join(work, f"{preset}-{seq}-{mb}-{r}-{n}")
+                    jobs.append({"key": [seq, mb, r, n], "trace": trace, "argv": model_argv(seq, mb, a)
+                                 + testbed_row(n).trainer_flags(a.layers) + ["--schedule-trace", trace]})
     jobs_path = os.path.join(work, f"{preset}-jobs.json")
     with open(jobs_path, "w") as f:
         json.dump(jobs, f)
@@ -171,42 +172,42 @@ def run_preset(preset: str, seqs, a, flops: float, work: str) -> tuple[list[dict
             why = f"timed out after {a.timeout:.0f}s" if all(c in (None, 0) for c in codes) else f"exit codes {codes}"
             raise RuntimeError(f"{preset}: rank processes {why}\n--- rank 0\n{tails[0]}\n--- rank 1\n{tails[1]}")
     per_rank = [{tuple(r["key"]): r for r in json.load(open(o))} for o in outs]
-    cals = {seq: [rk[(seq, -1, "calibration")]["calibration"] for rk in per_rank]
-            for seq in seqs if (seq, -1, "calibration") in per_rank[0]}
+    cals = {seq: [rk[(seq, 0, -1, "calibration")]["calibration"] for rk in per_rank]
+            for seq in seqs if (seq, 0, -1, "calibration") in per_rank[0]}
     return collect(preset, seqs, a, [j for j in jobs if "argv" in j], per_rank, skipped), cals
 
 
 def collect(preset, seqs, a, jobs, per_rank, skipped) -> list[dict]:
     from megatron_weipipe.schedules.timing import measured
 
-    runs = {}  # (seq, name) -> list over rounds of measures
+    runs = {}  # (seq, microbatches, name) -> list over rounds of measures
     for job in jobs:
-        seq, r, n = job["key"]
-        its = [rk[(seq, r, n)]["iterations"][1:] for rk in per_rank]  # the first is the warm-up
+        seq, mb, r, n = job["key"]
+        its = [rk[(seq, mb, r, n)]["iterations"][1:] for rk in per_rank]  # the first is the warm-up
         iter_s = statistics.median(max(x["elapsed_ms"] for x in pair) / 1e3 for pair in zip(*its))
         sent = [rk[-1]["bytes_sent"] for rk in its]
         cpu_s = [statistics.median(x.get("cpu_s", 0.0) for x in rk) for rk in its]
         m = measured.measure(measured.load(job["trace"]))
         k = len(m.iterations)
-        runs.setdefault((seq, n), []).append({
-            "round": r, "iter_s": iter_s, "tokens_per_s": a.microbatches * seq / iter_s,
+        runs.setdefault((seq, mb, n), []).append({
+            "round": r, "iter_s": iter_s, "tokens_per_s": mb * seq / iter_s,
             "bytes_by_kind": {kind: statistics.mean(s.get(kind, 0) for s in sent)
                               for kind in sorted({kk for s in sent for kk in s})},
             "idle_s": [x.idle_s / k for x in m.ranks], "busy_s": [x.busy_s / k for x in m.ranks],
             "recv_wait_s": [(x.wait_s + x.send_s) / k for x in m.ranks], "cost_s": m.mean_cost_s, "cpu_s": cpu_s})
     rows = []
-    for seq in seqs:
-        base = {x["round"]: x["iter_s"] for x in runs.get((seq, "1f1b"), [])}
+    for seq, mb in ((seq, mb) for seq in seqs for mb in a.microbatches):
+        base = {x["round"]: x["iter_s"] for x in runs.get((seq, mb, "1f1b"), [])}
         for n in a.schedules:
-            if n in skipped[seq]:
-                rows.append({"preset": preset, "seq": seq, "schedule": n, "tokens_per_s": None, "bytes_sent": None,
-                             "skipped": skipped[seq][n]})
+            if n in skipped[seq, mb]:
+                rows.append({"preset": preset, "seq": seq, "microbatches": mb, "schedule": n, "tokens_per_s": None,
+                             "bytes_sent": None, "skipped": skipped[seq, mb][n]})
                 continue
-            rs = runs[(seq, n)]
+            rs = runs[(seq, mb, n)]
             tps = [x["tokens_per_s"] for x in rs]
             ratios = [base[x["round"]] / x["iter_s"] for x in rs if x["round"] in base]
             rows.append({
-                "preset": preset, "seq": seq, "schedule": n, "tokens_per_s": statistics.median(tps),
+                "preset": preset, "seq": seq, "microbatches": mb, "schedule": n, "tokens_per_s": statistics.median(tps),
                 "tokens_per_s_rounds": tps, "ratio_to_1f1b": statistics.median(ratios) if ratios else None,
                 "ratio_rounds": ratios, "bytes_sent": sum(rs[-1]["bytes_by_kind"].values()),
                 "bytes_by_kind": rs[-1]["bytes_by_kind"],
@@ -254,7 +255,9 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=2, help="4 or more (a multiple of 4) adds the interleaved row")
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--microbatches", type=int, default=4, help="per iteration (global batch; micro-batch 1)")
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4],
+                    help="per iteration (global batch; micro-batch 1), one group of rows per value: an FSDP2 rank "
+                         "runs half of them, a pipeline rank all")
     ap.add_argument("--iters", type=int, default=None,
                     help="iterations per run, the first not measured (default: a warm-up, then 16K tokens' worth: "
                          "16 at 1K, 1 from 16K on)")
@@ -270,8 +273,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if a.calibrate_repeats < 0 or a.calibrate_seconds < 0 or a.rounds < 1:
-        print("error: --rounds >= 1, --calibrate-repeats >= 0 and --calibrate-seconds >= 0", file=sys.stderr)
+    if a.calibrate_repeats < 0 or a.calibrate_seconds < 0 or a.rounds < 1 or min(a.microbatches) < 2:
+        print("error: --rounds >= 1, --microbatches >= 2 (the FSDP2 rows run half on each rank), "
+              "--calibrate-repeats >= 0 and --calibrate-seconds >= 0", file=sys.stderr)
         return 2
     reason = netns.available()
     if reason:
@@ -297,15 +301,16 @@ def main(argv=None) -> int:
         return 0
     print("# command: python -m tools.simulator_validation.link_testbed " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}; wall {time.time() - t0:.0f}s; host load average {load0:.1f} at start, "
-          f"{os.getloadavg()[0]:.1f} at end; 2 ranks, 1 core and 1 thread each; layers={a.layers} hidden={a.hidden} "
-          f"heads={a.heads} micro-batch 1, {a.microbatches} microbatches/iteration, "
-          f"{f'{a.iters} iterations' if a.iters else f'a warm-up + {MEASURED_TOKENS} // seq iterations'} per run "
-          f"(first not measured), {a.rounds} rounds; float32, rope, no dropout, mock data, seed 1234")
+          f"{os.getloadavg()[0]:.1f} at end")
     print(preset_table(flops, a.presets))
     for note in sorted(NOTES):
         print(f"note: {note}")
-    print()
-    print(table(rows))
+    for mb in a.microbatches:  # one table per batch, its shape line first (tools/planner/testbed_check.py reads it)
+        print(f"\n2 ranks, 1 core and 1 thread each; layers={a.layers} hidden={a.hidden} heads={a.heads} "
+              f"micro-batch 1, {mb} microbatches/iteration ({mb // 2} per FSDP2 rank), "
+              f"{f'{a.iters} iterations' if a.iters else 'a warm-up + ' + str(MEASURED_TOKENS) + ' // (seq x microbatches) iterations'} "
+              f"per run (first not measured), {a.rounds} rounds; float32, rope, no dropout, mock data, seed 1234\n")
+        print(table([r for r in rows if r["microbatches"] == mb]))
     return 0
 
 

@@ -58,34 +58,39 @@ def calibration_for(seq: int, shape, directory: str, repeats: int):
     return cal
 
 
-def _trainer_probe_paths(shape, directory: str) -> dict:
+def _trainer_probe_paths(shape, directory: str, row: str = "fsdp") -> dict:
+    """The cached probes: FSDP2's fixed costs of the testbed row ``row`` (plain FSDP2, or
+    under its options), the training loop's seconds per iteration."""
     name = f"L{shape.layers}-h{shape.hidden}-a{shape.heads}.json"
-    return {kind: os.path.join(directory, f"{kind}-{name}") for kind in ("fsdp2", "loop")}
+    fsdp2 = "fsdp2" if row == "fsdp" else f"fsdp2-{row}"
+    return {"fsdp2": os.path.join(directory, f"{fsdp2}-{name}"), "loop": os.path.join(directory, f"loop-{name}")}
 
 
-def _probe_trainer(shape, directory: str) -> None:
-    """Time fsdp2_overhead.py here (over a veth pair as the testbed runs where
-    namespaces are permitted, else loopback) and write what the directory lacks of its two
-    results: FSDP2's fixed costs and the training loop's seconds per iteration."""
+def _probe_trainer(shape, directory: str, row: str = "fsdp") -> None:
+    """Time fsdp2_overhead.py here for the FSDP2 row ``row`` (over a veth pair as the
+    testbed runs where namespaces are permitted, else loopback) and write what the directory
+    lacks of its two results: FSDP2's fixed costs and the training loop's seconds per iteration."""
     from tools.simulator_validation import fsdp2_overhead, netns
 
-    args = ["--layers", str(shape.layers), "--hidden", str(shape.hidden), "--heads", str(shape.heads), "--rounds", "4"]
+    args = ["--layers", str(shape.layers), "--hidden", str(shape.hidden), "--heads", str(shape.heads), "--rounds", "4",
+            "--row", row]
     veth = ["--netns"] if netns.available() is None else []  # None: namespaces are permitted here
     over, res = fsdp2_overhead.fsdp2_overhead(fsdp2_overhead.parse_args(args + veth))
-    paths = _trainer_probe_paths(shape, directory)
+    paths = _trainer_probe_paths(shape, directory, row)
     for kind, text in (("fsdp2", over.to_json()), ("loop", json.dumps({"seconds": res["loop_s"]}))):
         if not os.path.exists(paths[kind]):
             with open(paths[kind], "w") as f:
                 f.write(text)
 
 
-def fsdp2_for(shape, directory: str):
-    """FSDP2's fixed costs of the testbed's model on this host, cached (`_probe_trainer`)."""
+def fsdp2_for(shape, directory: str, row: str = "fsdp"):
+    """FSDP2's fixed costs of the testbed's model on this host under the FSDP2 row ``row``,
+    cached (`_probe_trainer`)."""
     from megatron_weipipe.simulator.calibration import Fsdp2Overhead
 
-    path = _trainer_probe_paths(shape, directory)["fsdp2"]
+    path = _trainer_probe_paths(shape, directory, row)["fsdp2"]
     if not os.path.exists(path):
-        _probe_trainer(shape, directory)
+        _probe_trainer(shape, directory, row)
     with open(path) as f:
         return Fsdp2Overhead.from_json(f.read())
 
@@ -127,16 +132,17 @@ def in_run_calibrations(saved: dict) -> dict:
 
 
 def table(compared: list[dict], predicted_bytes: dict, predicted_work: dict) -> str:
-    lines = ["| preset | seq | schedule | measured tokens/s | predicted [over calibration sets] | error | "
-             "MiB sent/rank/iter measured / "
+    lines = ["| preset | seq | microbatches | schedule | measured tokens/s | predicted [over calibration sets] | "
+             "error | MiB sent/rank/iter measured / "
              "predicted | computing s/iter measured / predicted (slowest rank) | order of schedules |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in compared:
-        key = (r["preset"], r["seq"], r["schedule"])
+        key = (r["preset"], r["seq"], r["microbatches"], r["schedule"])
         sent = "-" if r["bytes_sent"] is None else f"{r['bytes_sent'] / 2**20:.2f}"
         busy = "-" if r["computing_s"] is None else f"{r['computing_s']:.2f}"
         lo, hi = r["predicted_range"]
-        lines.append(f"| {r['preset']} | {r['seq']} | {r['schedule']} | {r['measured']:.0f} | {r['predicted']:.0f} "
+        lines.append(f"| {r['preset']} | {r['seq']} | {r['microbatches']} | {r['schedule']} | {r['measured']:.0f} "
+                     f"| {r['predicted']:.0f} "
                      f"[{lo:.0f}, {hi:.0f}] | "
                      f"{r['error']:+.1%} | {sent} / {predicted_bytes[key] / 2**20:.2f} | "
                      f"{busy} / {predicted_work[key]:.2f} | {'same' if r['order_matches'] else 'DIFFERS'} |")
@@ -173,7 +179,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=TestbedShape.layers, help="the testbed's --layers")
     ap.add_argument("--hidden", type=int, default=TestbedShape.hidden, help="the testbed's --hidden")
     ap.add_argument("--heads", type=int, default=TestbedShape.heads, help="the testbed's --heads")
-    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="the batch of rows that do not state theirs (a sweep from before --microbatches took several)")
     return ap
 
 
@@ -193,16 +200,17 @@ def _read_rows(a) -> tuple[list, bool, dict]:
             in_run = {} if a.no_in_run else in_run_calibrations(rows.get("calibrations", {}))
             rows = rows["rows"]
     elif a.predict:
-        from megatron_weipipe.schedules import registry
-        from megatron_weipipe.simulator.testbed import TESTBED_SCHEDULES
+        from megatron_weipipe.simulator.testbed import TESTBED_ROWS
 
-        names = [n for n in TESTBED_SCHEDULES if not registry.simulated(n).virtual_stages or a.layers % 4 == 0]
+        names = [n for n, row in TESTBED_ROWS.items() if not row.virtual_stages or a.layers % 4 == 0]
         rows = [{"preset": ps.partition(":")[0], "seq": int(ps.partition(":")[2]), "schedule": n,
                  "tokens_per_s": float("nan"), "bytes_sent": None} for ps in a.predict for n in names]
     else:
         raise SimulatorError("give --testbed-json FILE, or --predict PRESET:SEQ ...")
     if not isinstance(rows, list) or not all({"preset", "seq", "schedule", "tokens_per_s"} <= set(r) for r in rows):
         raise SimulatorError(f"{a.testbed_json}: not a list of rows with preset, seq, schedule, tokens_per_s")
+    for r in rows:  # a sweep from before the testbed took several batches ran the one of the flags
+        r.setdefault("microbatches", a.microbatches)
     return rows, no_latency, in_run
 
 
@@ -260,10 +268,9 @@ def _probes(a, no_latency: bool, in_run: dict) -> _Probes:
 def _predict_row(r: dict, a, shape, p: _Probes, loop_seen: set):
     """One row's prediction from the mean of the calibration sets, and the tokens/s of each set."""
     from megatron_weipipe.errors import SimulatorError
-    from megatron_weipipe.schedules import registry
     from megatron_weipipe.simulator import calibration as calib
     from megatron_weipipe.simulator.calibration import Fsdp2Overhead
-    from megatron_weipipe.simulator.testbed import TestbedShape, predict_testbed_row
+    from megatron_weipipe.simulator.testbed import TestbedShape, predict_testbed_row, testbed_row
 
     if r["preset"] not in p.presets:
         raise SimulatorError(f"row preset {r['preset']!r} is not one of {', '.join(p.presets)}")
@@ -273,8 +280,8 @@ def _predict_row(r: dict, a, shape, p: _Probes, loop_seen: set):
         ("layers", shape.layers), ("hidden", shape.hidden), ("heads", shape.heads),
         ("microbatches", shape.microbatches))))  # a row that states its shape wins over the flags
     cals = [calibration_for(r["seq"], row_shape, d, a.repeats) for d in a.calibration_dir]
-    fsdp = registry.simulated(r["schedule"]).projection == registry.FSDP
-    fsdp2s = [fsdp2_for(row_shape, d) if fsdp else None for d in a.calibration_dir]
+    fsdp = testbed_row(r["schedule"]).is_fsdp
+    fsdp2s = [fsdp2_for(row_shape, d, r["schedule"]) if fsdp else None for d in a.calibration_dir]
     loops = [0.0 if a.no_loop else loop_for(row_shape, d) for d in a.calibration_dir]
     loop_seen.add(sum(loops) / len(loops))
 
@@ -299,11 +306,14 @@ def _predict_row(r: dict, a, shape, p: _Probes, loop_seen: set):
 
 def _print_predicted(predicted: dict, pbytes: dict, pwork: dict, command: str) -> None:
     print(f"# {command}")
-    print("| preset | seq | schedule | predicted tokens/s | x 1F1B | MiB sent/rank/iter | computing s/iter |")
-    print("|---|---|---|---|---|---|---|")
-    for (preset, seq, name), tps in predicted.items():
-        print(f"| {preset} | {seq} | {name} | {tps:.0f} | {tps / predicted[(preset, seq, '1f1b')]:.2f} | "
-              f"{pbytes[(preset, seq, name)] / 2**20:.2f} | {pwork[(preset, seq, name)]:.2f} |")
+    print("| preset | seq | microbatches | schedule | predicted tokens/s | x 1F1B | MiB sent/rank/iter | "
+          "computing s/iter |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key, tps in predicted.items():
+        preset, seq, mb, name = key
+        base = predicted.get((preset, seq, mb, "1f1b"))
+        print(f"| {preset} | {seq} | {mb} | {name} | {tps:.0f} | {f'{tps / base:.2f}' if base else '-'} | "
+              f"{pbytes[key] / 2**20:.2f} | {pwork[key]:.2f} |")
 
 
 def _print_compared(compared: list, pbytes: dict, pwork: dict, a, p: _Probes, loop_seen: set, command: str) -> None:
@@ -318,11 +328,11 @@ def _print_compared(compared: list, pbytes: dict, pwork: dict, a, p: _Probes, lo
     print(table(compared, pbytes, pwork))
     errs = [abs(r["error"]) for r in compared]
     if errs:
-        groups = {(r["preset"], r["seq"]): r for r in compared}
+        groups = {(r["preset"], r["seq"], r["microbatches"]): r for r in compared}
         checked = sum(r["pairs"][0] for r in groups.values())
         print(f"\nrows: {len(errs)}; |error| median {sorted(errs)[len(errs) // 2]:.1%}, max {max(errs):.1%}; "
               f"within 15%: {sum(e <= 0.15 for e in errs)}/{len(errs)}; order of schedules the same in "
-              f"{sum(r['order_matches'] for r in groups.values())}/{len(groups)} (preset, seq) groups "
+              f"{sum(r['order_matches'] for r in groups.values())}/{len(groups)} (preset, seq, microbatches) groups "
               f"({sum(r['pairs'][1] for r in groups.values())} of the {checked} pairs that both the rounds and the "
               f"calibration sets separate ordered alike)")
 
@@ -332,7 +342,7 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     from megatron_weipipe.errors import SimulatorError
-    from megatron_weipipe.simulator.testbed import TestbedShape, compare_rows
+    from megatron_weipipe.simulator.testbed import TestbedShape, compare_rows, row_key
 
     a = _parser().parse_args(argv)
     try:
@@ -344,7 +354,7 @@ def main(argv=None) -> int:
             if not r.get("tokens_per_s"):
                 continue
             res, each = _predict_row(r, a, shape, probes, loop_seen)
-            key = (r["preset"], r["seq"], r["schedule"])
+            key = row_key(r)
             predicted[key] = res.tokens_per_s
             spread[key] = (res.tokens_per_s, min(each), max(each))
             pbytes[key] = sum(sum(c.values()) for c in res.counter) / len(res.counter)  # the mean over ranks, as the testbed reports
