@@ -25,7 +25,8 @@ sequence in turn (so that a row's rounds spread over the preset's minutes) made 
 runs that followed 16K-32K runs in the same process compute 10-20% slower. Each run
 trains a warm-up iteration, which is not measured, and then as many as make its tokens
 those of one 16K-token iteration of 4 microbatches (16 at 1K and 4 microbatches, 1 from 16K
-on; --iters fixes the count), so a
+on; --iters fixes the count; --short-warmup makes the warm-up 2 microbatches, the batch
+ramping to the full one after it as Megatron's --rampup-batch-size does), so a
 short sequence's row is a median over as much work as a long one's rather than over one
 iteration of tens of milliseconds.
 Before each sequence's runs both ranks time the model's layers at that sequence on their
@@ -74,6 +75,7 @@ NOTES: set[str] = set()
 
 
 MEASURED_TOKENS = 4 * 16384  # per run: the tokens of one 16K iteration of 4 microbatches
+WARMUP_MICROBATCHES = 2  # --short-warmup's first iteration: one microbatch per FSDP2 rank
 
 
 def iterations(seq: int, microbatches: int, a) -> int:
@@ -82,10 +84,21 @@ def iterations(seq: int, microbatches: int, a) -> int:
     return a.iters if a.iters else 1 + max(1, MEASURED_TOKENS // (seq * microbatches))
 
 
+def length_argv(seq: int, microbatches: int, a) -> list[str]:
+    """The run's length: `iterations`, or with --short-warmup a warm-up iteration of
+    WARMUP_MICROBATCHES and then the measured iterations at the full batch (Megatron's
+    --rampup-batch-size, which counts samples)."""
+    n = iterations(seq, microbatches, a)
+    if not getattr(a, "short_warmup", False) or microbatches <= WARMUP_MICROBATCHES:
+        return ["--train-iters", str(n)]
+    return ["--train-samples", str(WARMUP_MICROBATCHES + microbatches * (n - 1)), "--rampup-batch-size",
+            str(WARMUP_MICROBATCHES), str(microbatches - WARMUP_MICROBATCHES), str(WARMUP_MICROBATCHES)]
+
+
 def model_argv(seq: int, microbatches: int, a) -> list[str]:
     return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
             "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--position-embedding-type", "rope",
-            "--micro-batch-size", "1", "--global-batch-size", str(microbatches), "--train-iters", str(iterations(seq, microbatches, a)),
+            "--micro-batch-size", "1", "--global-batch-size", str(microbatches), *length_argv(seq, microbatches, a),
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
             "--tokenizer-type", "ByteLevelTokenizer", "--make-vocab-size-divisible-by", "128", "--eval-iters", "0",
             "--log-interval", "1", "--seed", "1234", "--distributed-backend", "gloo",
@@ -261,6 +274,9 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=None,
                     help="iterations per run, the first not measured (default: a warm-up, then 16K tokens' worth: "
                          "16 at 1K, 1 from 16K on)")
+    ap.add_argument("--short-warmup", action="store_true",
+                    help=f"the warm-up iteration runs {WARMUP_MICROBATCHES} microbatches, the measured ones the full "
+                         "batch (--rampup-batch-size): a large batch's run costs one iteration less")
     ap.add_argument("--calibrate-repeats", type=int, default=2,
                     help="repeats of the in-run calibration before each sequence's runs (0: none)")
     ap.add_argument("--calibrate-seconds", type=float, default=2.0,
@@ -309,7 +325,7 @@ def main(argv=None) -> int:
         print(f"\n2 ranks, 1 core and 1 thread each; layers={a.layers} hidden={a.hidden} heads={a.heads} "
               f"micro-batch 1, {mb} microbatches/iteration ({mb // 2} per FSDP2 rank), "
               f"{f'{a.iters} iterations' if a.iters else 'a warm-up + ' + str(MEASURED_TOKENS) + ' // (seq x microbatches) iterations'} "
-              f"per run (first not measured), {a.rounds} rounds; float32, rope, no dropout, mock data, seed 1234\n")
+              f"per run (first not measured{f', of {WARMUP_MICROBATCHES} microbatches' if a.short_warmup and mb > WARMUP_MICROBATCHES else ''}), {a.rounds} rounds; float32, rope, no dropout, mock data, seed 1234\n")
         print(table([r for r in rows if r["microbatches"] == mb]))
     return 0
 
