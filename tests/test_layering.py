@@ -223,9 +223,8 @@ def test_the_layer_table_is_read_from_its_one_doc():
     assert names[0] == "entry points" and names[-1] == "services" and len(names) >= 8, names
     assert all(parts for name, parts in LAYERS if name != "entry points"), LAYERS
     copies = []
-    for folder, _, files in os.walk(ROOT):
-        if any(skip in folder for skip in (".git", ".venv", "node_modules")):
-            continue
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith((".git", ".venv", "node_modules"))]
         for name in files:
             path = os.path.join(folder, name)
             if name.endswith(".md") and path != LAYER_DOC and re.search(r"^\|\s*layer\s*\|", open(path).read(), re.M):
@@ -272,9 +271,8 @@ def test_no_path_edits_anywhere():
     (``python -m tools.simulate``); none edits the import path."""
     needle = "sys.path." + "insert"
     found = []
-    for folder, _, files in os.walk(ROOT):
-        if any(skip in folder for skip in (".git", ".venv", "__pycache__")):
-            continue
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith((".git", ".venv", "__pycache__"))]
         for name in files:
             if name.endswith((".py", ".sh")):
                 path = os.path.join(folder, name)

@@ -122,6 +122,28 @@ def test_testbed_groups_and_verdicts():
     assert tc.verdict(g, {**pred, "fsdp": 2.0})["status"] == "miss"
 
 
+def test_testbed_groups_carry_their_batch_and_their_sweeps_host_speed():
+    """A sweep's own host FLOP/s (its presets' emulated rates follow it) holds for its tables
+    until the next section; each batch's table is a group of its own; the FSDP2 option rows
+    are the planner's FSDP2 modes of the same flags."""
+    from tools.planner import testbed_check as tc
+
+    row = "| eth25 | 16384 | {} | 100 [90, 110] | 1.00 [1.00, 1.00] | x |"
+    text = "\n".join([
+        "## A sweep", "host: 87.0 GFLOP/s (one core ...)",
+        "layers=2 hidden=32 heads=2 micro-batch 1, 8 microbatches/iteration (4 per FSDP2 rank)",
+        row.format("1f1b"), row.format("fsdp-no-reshard-sync-once"),
+        "layers=2 hidden=32 heads=2 micro-batch 1, 32 microbatches/iteration (16 per FSDP2 rank)",
+        row.format("fsdp-sync-once"),
+        "## The recorded sweep", "layers=2 hidden=32 heads=2 micro-batch 1, 4 microbatches/iteration",
+        row.format("fsdp")])
+    groups = tc.measured_groups(text)
+    assert [(g.microbatches, g.flops, len(g.measured)) for g in groups] == [
+        (8, 87.0e9, 2), (32, 87.0e9, 1), (4, tc.RECORDED_FLOPS, 1)]
+    assert set(tc.candidates(groups[0])) == {"1f1b", "fsdp-no-reshard-sync-once"}
+    assert set(tc.candidates(groups[1])) == {"fsdp-sync-once"}
+
+
 def test_the_papers_methods_are_layouts_the_trainer_accepts():
     from tools.planner import papers
 

@@ -4,6 +4,8 @@
 #
 #   bash tools/test_newest_mcore.sh                 # the megatron-core part (CI)
 #   bash tools/test_newest_mcore.sh tests           # the whole suite
+#   bash tools/test_newest_mcore.sh --install-only  # only the environment's packages (CI runs this beside
+#                                                   # the README's tests: mostly a download)
 #
 # MCORE_VERSION (default 0.19.2), TORCH_VERSION (default 2.13.0) and VENV (default
 # .venv-mcore-newest) choose what is installed. On Python 3.12 the registry's torch is the
@@ -33,6 +35,10 @@ start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" "megatron-core==$MCORE_VERSION" regex psutil numpy einops \
   pytest pytest-timeout tokenizers sentencepiece "transformers>=5" safetensors tiktoken wandb tensorboard
+if [ "${1:-}" = "--install-only" ]; then  # the project itself later: its egg-info is written in the checkout
+  echo "test_newest_mcore: packages installed in $(( $(date +%s) - start )) s"
+  exit 0
+fi
 "$VENV/bin/pip" install -q --no-deps -e .
 echo "test_newest_mcore: $("$VENV/bin/python" -W ignore -c 'import sys, torch, megatron.core as m; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")' 2>/dev/null), installed in $(( $(date +%s) - start )) s"
 

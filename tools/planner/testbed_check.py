@@ -32,6 +32,7 @@ RECORDED_FLOPS = 108.9e9
 RECORDED_CPU_S_PER_BYTE = 0.51e-9
 RECORDED_MESSAGE_S = 2.97e-3
 
+_FLOPS = re.compile(r"^host: (\d+(?:\.\d+)?) GFLOP/s")  # the sweep's own, printed above its tables
 _SHAPE = re.compile(r"layers=(\d+) hidden=(\d+) heads=(\d+) micro-batch 1, (\d+) microbatches/iteration")
 _ROW = re.compile(r"^\| ([\w-]+) \| (\d+) \| ([\w-]+) \| (\d+) \[(\d+), (\d+)\] \|")
 
@@ -45,6 +46,7 @@ class Group:
     heads: int
     microbatches: int
     measured: tuple  # ((schedule, median, min, max), ...) tokens/s over rounds
+    flops: float = RECORDED_FLOPS  # the host FLOP/s the sweep scaled its presets by
 
     def fastest(self) -> tuple:
         return max(self.measured, key=lambda m: m[1])
@@ -55,10 +57,17 @@ class Group:
 
 def measured_groups(text: str) -> list[Group]:
     """The groups of the testbed's measured tables (each table follows the line that states
-    its shape); skipped rows are not measurements."""
+    its shape; a sweep's `host: ... GFLOP/s` line, where printed, holds for its tables until
+    the next section, else the recorded sweep's); skipped rows are not measurements."""
     groups: dict = {}
-    shape = None
+    shape, flops = None, RECORDED_FLOPS
     for line in text.splitlines():
+        if line.startswith("## "):
+            flops = RECORDED_FLOPS
+        f = _FLOPS.match(line)
+        if f:
+            flops = float(f.group(1)) * 1e9
+            continue
         m = _SHAPE.search(line)
         if m:
             shape = tuple(int(x) for x in m.groups())
@@ -66,9 +75,9 @@ def measured_groups(text: str) -> list[Group]:
         r = _ROW.match(line)
         if r and shape is not None:
             preset, seq, name, med, lo, hi = r.groups()
-            key = (preset, int(seq), *shape)
+            key = (preset, int(seq), *shape, flops)
             groups.setdefault(key, []).append((name, float(med), float(lo), float(hi)))
-    return [Group(k[0], k[1], *k[2:], measured=tuple(v)) for k, v in groups.items()]
+    return [Group(k[0], k[1], *k[2:-1], measured=tuple(v), flops=k[-1]) for k, v in groups.items()]
 
 
 def testbed_flags(g: Group) -> list[str]:
@@ -132,6 +141,8 @@ def check(groups: list[Group], calibration_dirs: list[str], measure_link: bool =
         probes.cpu_s_per_byte = RECORDED_CPU_S_PER_BYTE
     out = []
     for g in groups:
+        from dataclasses import replace
+
         from megatron_weipipe.simulator.testbed import TestbedShape
 
         shape = TestbedShape(g.layers, g.hidden, g.heads, g.microbatches)
@@ -139,7 +150,7 @@ def check(groups: list[Group], calibration_dirs: list[str], measure_link: bool =
         for name, cand in candidates(g).items():
             row = {"preset": g.preset, "seq": g.seq, "schedule": name, "layers": g.layers, "hidden": g.hidden,
                    "heads": g.heads, "microbatches": g.microbatches}
-            res, _ = testbed_compare._predict_row(row, a, shape, probes, set())
+            res, _ = testbed_compare._predict_row(row, a, shape, replace(probes, flops=g.flops), set())
             predicted[name] = (res.tokens_per_s, cand)
         out.append(verdict(g, {k: v[0] for k, v in predicted.items()}))
         out[-1]["launch"] = predicted[out[-1]["choice"]][1].flags
