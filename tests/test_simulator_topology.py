@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import shlex
-from types import SimpleNamespace
 
 import pytest
 
@@ -102,12 +101,18 @@ def test_hsdp_with_one_replica_is_fsdp():
     assert a.iteration_s == b.iteration_s and a.bytes_per_link == b.bytes_per_link and a.counter == b.counter
 
 
-def test_sharding_reads_the_trainers_flags_where_they_exist():
-    cfg = SimpleNamespace(parallel=SimpleNamespace(use_torch_fsdp2=True, num_distributed_optimizer_instances=3,
-                                                   torch_fsdp2_no_reshard_after_forward=True),
-                          training=SimpleNamespace(torch_fsdp2_no_grad_sync_per_microbatch=True))
+def test_sharding_reads_the_trainers_flags():
+    from megatron_weipipe.arguments import parse_config
+
+    model = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+             "--micro-batch-size 1 --global-batch-size 12 --mock-data --tokenizer-type ByteLevelTokenizer "
+             "--untie-embeddings-and-output-weights --train-iters 1 --lr 1e-4").split()
+    cfg = parse_config(model + ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "3",
+                                "--torch-fsdp2-no-reshard-after-forward", "--torch-fsdp2-no-grad-sync-per-microbatch"],
+                       world_size=6)
     assert sharding.sharding_from(cfg) == sharding.FsdpSharding(3, False, False)
-    plain = SimpleNamespace(parallel=SimpleNamespace(use_torch_fsdp2=False, num_distributed_optimizer_instances=2))
+    plain = parse_config(model + ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+                         world_size=6)
     assert sharding.sharding_from(plain) == sharding.FsdpSharding()  # instances without FSDP2: the optimizer's
     assert sharding.sharding_from(plain, replicas=4, grad_sync_once=True) == sharding.FsdpSharding(4, True, False)
     with pytest.raises(SimulatorError, match="HSDP replicas"):

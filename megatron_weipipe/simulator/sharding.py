@@ -25,12 +25,6 @@ from .hardware import Cluster
 
 GRAD_BYTES = 4  # FSDP2 reduces gradients in fp32 (Megatron's main-grad dtype)
 
-# The trainer's flags of these options, read where the configuration has them.
-REPLICAS_FLAG = "num_distributed_optimizer_instances"  # with --use-torch-fsdp2: HSDP
-NO_RESHARD_FLAG = "torch_fsdp2_no_reshard_after_forward"
-NO_SYNC_FLAG = "torch_fsdp2_no_grad_sync_per_microbatch"
-
-
 @dataclass(frozen=True)
 class FsdpSharding:
     replicas: int = 1  # groups the model is replicated across (1: sharded over every rank)
@@ -48,26 +42,18 @@ class FsdpSharding:
         return self.replicas > 1
 
 
-def _config_flag(cfg, name: str, default):
-    """A trainer flag's value wherever its config section keeps it, else ``default``."""
-    for section in ("parallel", "training", "model"):
-        value = getattr(getattr(cfg, section, None), name, None)
-        if value is not None:
-            return value
-    return default
-
-
 def sharding_from(cfg, replicas: Optional[int] = None, no_reshard: bool = False,
                   grad_sync_once: bool = False, reduce_dtype: str = "fp32") -> FsdpSharding:
     """The sharding of a run: the simulator's what-if options where given, else the trainer's
-    flags (HSDP replicas only with --use-torch-fsdp2)."""
+    flags (``cfg.parallel``; HSDP replicas only with --use-torch-fsdp2: without it the
+    instances are the distributed optimizer's)."""
+    p = cfg.parallel
     if replicas is None:
-        fsdp2 = bool(_config_flag(cfg, "use_torch_fsdp2", False))
-        replicas = int(_config_flag(cfg, REPLICAS_FLAG, 1)) if fsdp2 else 1
+        replicas = p.num_distributed_optimizer_instances if p.use_torch_fsdp2 else 1
     return FsdpSharding(
         replicas=replicas,
-        reshard_after_forward=not (no_reshard or bool(_config_flag(cfg, NO_RESHARD_FLAG, False))),
-        grad_sync_per_microbatch=not (grad_sync_once or bool(_config_flag(cfg, NO_SYNC_FLAG, False))),
+        reshard_after_forward=not (no_reshard or p.torch_fsdp2_no_reshard_after_forward),
+        grad_sync_per_microbatch=not (grad_sync_once or p.torch_fsdp2_no_grad_sync_per_microbatch),
         grad_bytes=2 if reduce_dtype == "bf16" else GRAD_BYTES)
 
 
