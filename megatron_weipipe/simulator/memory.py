@@ -413,14 +413,21 @@ def fsdp2_state_bytes(shards: int) -> StateBytes:
     return StateBytes(param=4, grad=4, optimizer=8, optimizer_shards=shards, param_shards=shards)
 
 
-def fsdp2_option_bytes(params: int, compute_bytes: int, fsdp, microbatches: int) -> float:
-    """What FSDP2's options keep on top of the shards (model/fsdp_memory.py has the exact
-    per-unit form): without reshard after forward every unit's gathered weights stay until
-    its backward; with gradient sync once per iteration the unsharded gradients accumulate
+def fsdp2_root_params(shape: ModelShape, tp: int) -> int:
+    """The FSDP2 root unit's parameters: the final norm and the untied output layer (the
+    embedding and each layer are units of their own)."""
+    return shape.norm_params() + (shape.word_embedding_params(tp) if shape.untie_embeddings_and_output_weights else 0)
+
+
+def fsdp2_option_bytes(params: int, root_params: int, compute_bytes: int, fsdp, microbatches: int) -> float:
+    """What FSDP2's options keep beyond the shards and `fsdp2_gathered_bytes`, as
+    model/fsdp_memory.py's per-unit form counts it: without reshard after forward every
+    unit's gathered weights stay until its backward (the root's and one layer's are counted
+    already); with gradient sync once per iteration the unsharded gradients accumulate
     across microbatches in the reduce dtype."""
     out = 0.0
     if not fsdp.reshard_after_forward:
-        out += params * compute_bytes
+        out += (params - root_params) * compute_bytes
     if not fsdp.grad_sync_per_microbatch and microbatches > 1:
         out += params * fsdp.grad_bytes
     return out
@@ -428,10 +435,8 @@ def fsdp2_option_bytes(params: int, compute_bytes: int, fsdp, microbatches: int)
 
 def fsdp2_gathered_bytes(shape: ModelShape, tp: int, compute_bytes: int) -> float:
     """FSDP2's gathered weights at the peak (the start of the backward), in the compute
-    dtype: the root unit (output layer and final norm; the embedding and each layer are
-    units of their own) and one layer."""
-    root = shape.norm_params() + (shape.word_embedding_params(tp) if shape.untie_embeddings_and_output_weights else 0)
-    return (root + shape.layer_params(tp)) * compute_bytes
+    dtype: the root unit and one layer."""
+    return (fsdp2_root_params(shape, tp) + shape.layer_params(tp)) * compute_bytes
 
 
 def state_bytes_for(compute_bytes: int) -> StateBytes:

@@ -306,7 +306,8 @@ def rank_memory(spec: RunSpec, schedule: Schedule, fp: Optional[FPDTReport]) -> 
         params = spec.rank_params(r)
         model_state = params * split.device
         if spec.torch_fsdp2:
-            model_state += memory.fsdp2_option_bytes(params, spec.compute_bytes, spec.fsdp, spec.num_microbatches)
+            model_state += memory.fsdp2_option_bytes(params, memory.fsdp2_root_params(s, lay.tp), spec.compute_bytes,
+                                                     spec.fsdp, spec.num_microbatches)
         host = chunk_state = offloaded = 0.0
         if long_mode is not None:
             units, redo = (1, k) if spec.is_weipipe else (k, 1)
