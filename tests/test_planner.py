@@ -110,7 +110,7 @@ def test_testbed_groups_and_verdicts():
 
     with open(tc.RESULTS) as f:
         groups = tc.measured_groups(f.read())
-    assert len(groups) == 22 and {g.layers for g in groups} == {2, 4}
+    assert len(groups) == 31 and {g.layers for g in groups} == {2, 4} and {g.microbatches for g in groups} == {2, 4, 8, 32}
     g = next(g for g in groups if (g.preset, g.seq, g.layers) == ("a800-nvlink", 1024, 2))
     assert g.fastest()[0] == "weipipe-interleave"
     assert set(tc.candidates(g)) == {m[0] for m in g.measured}  # the planner's space holds every measured row
