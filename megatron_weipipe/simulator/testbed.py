@@ -6,8 +6,8 @@ SDPA attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (
 interleaved with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1,
 DP = 2), this last under each of FSDP2's options (no reshard after forward, one gradient
 sync per iteration, both): ``TESTBED_ROWS`` is the one map from a row's name to what the
-trainer runs and what the simulator replays. The prediction replays the same schedule with the costs of a HostCalibration of
-the same shape (layer forward / backward, embedding, head, optimizer step, timed by
+trainer runs and what the simulator replays. The prediction replays the same schedule
+with the costs of a HostCalibration of the same shape (layer forward / backward, embedding, head, optimizer step, timed by
 training/host_calibration.py), the trainer's fixed costs (tools/simulator_validation/fsdp2_overhead.py: FSDP2's
 per unit, the training loop's per iteration) and the emulated link as tc shapes it: its
 rate, its latency where netem applies it, its token bucket where tbf shapes the rate
@@ -65,13 +65,12 @@ class TestbedRow:
         return ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", self.schedule, *extra]
 
 
-_ONCE = FsdpSharding(grad_sync_per_microbatch=False)
 TESTBED_ROWS = {r.name: r for r in (
     TestbedRow("1f1b", "1f1b"), TestbedRow("interleaved", "interleaved"),
     TestbedRow("weipipe-interleave", "weipipe-interleave"), TestbedRow("weipipe-zb", "weipipe-zb"),
     TestbedRow("fsdp", "fsdp"),
     TestbedRow("fsdp-no-reshard", "fsdp", FsdpSharding(reshard_after_forward=False)),
-    TestbedRow("fsdp-sync-once", "fsdp", _ONCE),
+    TestbedRow("fsdp-sync-once", "fsdp", FsdpSharding(grad_sync_per_microbatch=False)),
     TestbedRow("fsdp-no-reshard-sync-once", "fsdp", FsdpSharding(reshard_after_forward=False,
                                                                  grad_sync_per_microbatch=False)),
 )}

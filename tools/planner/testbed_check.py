@@ -3,16 +3,17 @@
     python -m tools.plan --testbed-check [--calibration-dir DIR]   # (tools/plan.py passes the flags on)
     python -m tools.planner.testbed_check [--calibration-dir DIR] [--measure-link]
 
-A group is one (preset, sequence, model shape, microbatches) of docs/results/link-testbed.md's
-measured tables: two ranks over an emulated link. The planner's layouts for it are those
-of its own space (space.py: the trainer's start-up code accepts them at two ranks) that the
-testbed ran: PP = 2 under each measured pipeline schedule (interleaved at 2 virtual stages),
-and FSDP2 over DP = 2, plain and under each of its options. It ranks them by the simulator with this host's costs, exactly as the
-simulator's testbed check predicts a row (tools/simulator_validation/testbed_compare.py:
-layer timings of this host, the emulated link as tc shapes it, FSDP2's and the training loop's
-fixed costs), at the host FLOP/s the sweep recorded. Its first choice is a hit when it is the
-measured fastest, or when its measured rounds overlap the fastest's (within the measured
-spread: the measurement cannot order the two).
+A group is one (preset, sequence, model shape, microbatches) of
+docs/results/link-testbed.md's measured tables: two ranks over an emulated link. The planner's layouts for
+it are those of its own space (space.py: the trainer's start-up code accepts them at two
+ranks) that the testbed ran: PP = 2 under each measured pipeline schedule (interleaved at
+2 virtual stages), and FSDP2 over DP = 2, plain and under each of its options. It ranks
+them by the simulator with this host's costs, exactly as the simulator's testbed check
+predicts a row (tools/simulator_validation/testbed_compare.py: layer timings of this host,
+the emulated link as tc shapes it, FSDP2's and the training loop's fixed costs), at the
+host FLOP/s its sweep recorded. Its first choice is a hit when it is the measured fastest,
+or when its measured rounds overlap the fastest's (within the measured spread: the
+measurement cannot order the two).
 """
 
 from __future__ import annotations
@@ -139,12 +140,12 @@ def check(groups: list[Group], calibration_dirs: list[str], measure_link: bool =
     probes = testbed_compare._probes(a, True, {})
     if not measure_link:
         probes.cpu_s_per_byte = RECORDED_CPU_S_PER_BYTE
+    from dataclasses import replace
+
+    from megatron_weipipe.simulator.testbed import TestbedShape
+
     out = []
     for g in groups:
-        from dataclasses import replace
-
-        from megatron_weipipe.simulator.testbed import TestbedShape
-
         shape = TestbedShape(g.layers, g.hidden, g.heads, g.microbatches)
         predicted = {}
         for name, cand in candidates(g).items():
