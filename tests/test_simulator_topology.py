@@ -111,6 +111,9 @@ def test_sharding_reads_the_trainers_flags():
                                 "--torch-fsdp2-no-reshard-after-forward", "--torch-fsdp2-no-grad-sync-per-microbatch"],
                        world_size=6)
     assert sharding.sharding_from(cfg) == sharding.FsdpSharding(3, False, False)
+    for want in (sharding.FsdpSharding(), sharding.FsdpSharding(3, False, False), sharding.FsdpSharding(2, True, False)):
+        flags = sharding.trainer_flags(want)  # the inverse: the flags a sharding is run with
+        assert sharding.sharding_from(parse_config(model + flags, world_size=6)) == want, flags
     plain = parse_config(model + ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
                          world_size=6)
     assert sharding.sharding_from(plain) == sharding.FsdpSharding()  # instances without FSDP2: the optimizer's

@@ -57,6 +57,15 @@ def sharding_from(cfg, replicas: Optional[int] = None, no_reshard: bool = False,
         grad_bytes=2 if reduce_dtype == "bf16" else GRAD_BYTES)
 
 
+def trainer_flags(sharding: FsdpSharding) -> list[str]:
+    """The FSDP2 flags of ``sharding`` on pretrain_gpt.py's command line: `sharding_from`'s
+    inverse (fp32 gradient reduction, the trainer's)."""
+    return ["--use-torch-fsdp2",
+            *(["--num-distributed-optimizer-instances", str(sharding.replicas)] if sharding.is_hsdp else []),
+            *(["--torch-fsdp2-no-reshard-after-forward"] if not sharding.reshard_after_forward else []),
+            *(["--torch-fsdp2-no-grad-sync-per-microbatch"] if not sharding.grad_sync_per_microbatch else [])]
+
+
 def groups(ranks: list[int], replicas: int) -> tuple[list[list[int]], list[list[int]]]:
     """(shard groups: consecutive ranks, replica groups: the same position in each shard group)."""
     size = len(ranks) // replicas

@@ -32,6 +32,7 @@ from .hardware import CPU_HOST, Cluster, LinkSpec
 from megatron_weipipe.simulator.rank_order import Layout
 from .project import ScheduleResult, simulate_run
 from .run_spec import RunSpec
+from . import sharding
 from .sharding import FsdpSharding
 
 BYTE_LEVEL_VOCAB = 259  # ByteLevelTokenizer: 256 bytes, EOD, PAD, BOS (the testbed's --tokenizer-type)
@@ -57,10 +58,7 @@ class TestbedRow:
     def trainer_flags(self, layers: int) -> list[str]:
         """pretrain_gpt.py's flags of this row on two ranks (besides the model's)."""
         if self.is_fsdp:
-            return ["--pipeline-model-parallel-size", "1", "--use-torch-fsdp2",
-                    *(["--torch-fsdp2-no-reshard-after-forward"] if not self.sharding.reshard_after_forward else []),
-                    *(["--torch-fsdp2-no-grad-sync-per-microbatch"] if not self.sharding.grad_sync_per_microbatch
-                      else [])]
+            return ["--pipeline-model-parallel-size", "1", *sharding.trainer_flags(self.sharding)]
         extra = ["--num-layers-per-virtual-pipeline-stage", str(layers // 4)] if self.virtual_stages else []
         return ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", self.schedule, *extra]
 

@@ -36,18 +36,14 @@ import sys
 import tempfile
 import time
 
+from megatron_weipipe.simulator.testbed import TESTBED_ROWS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DDP_ARGV = ["--pipeline-model-parallel-size", "1"]
 
 
-def _fsdp_rows() -> tuple[str, ...]:
-    from megatron_weipipe.simulator.testbed import TESTBED_ROWS
-
-    return tuple(n for n, row in TESTBED_ROWS.items() if row.is_fsdp)
-
-
-FSDP_ROWS = _fsdp_rows()
+FSDP_ROWS = tuple(n for n, row in TESTBED_ROWS.items() if row.is_fsdp)  # the testbed's FSDP2 rows
 
 
 def units(layers: int) -> int:
@@ -64,9 +60,8 @@ def measure(a) -> dict:
     from tools.simulator_validation.link_testbed import model_argv
 
     with tempfile.TemporaryDirectory(prefix="fsdp2_overhead") as work:
-        jobs = []
+        jobs, fsdp_argv = [], testbed_row(a.row).trainer_flags(a.layers)
         for r in range(a.rounds):
-            fsdp_argv = testbed_row(a.row).trainer_flags(a.layers)
             for name, extra in (("fsdp", fsdp_argv), ("ddp", DDP_ARGV))[::1 if r % 2 == 0 else -1]:
                 trace = os.path.join(work, f"{name}-{r}")
                 jobs.append({"key": [r, name], "trace": trace,
