@@ -63,6 +63,9 @@ class Job:
         self.lines: list[tuple[float, str]] = []
         self.seen: dict[int, float] = {}  # pid -> create_time of every process of the job
         self.cmdlines: dict[int, str] = {}
+        # The sampler thread and the test's own thread both add to ``seen``; readers take a
+        # snapshot under this lock, since iterating a dict another thread grows raises.
+        self._seen_lock = threading.Lock()
         self._cond = threading.Condition()
         base_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
         base_env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
@@ -105,14 +108,25 @@ class Job:
             try:
                 top = psutil.Process(p.pid)
                 for q in [top, *top.children(recursive=True)]:
-                    if q.pid not in self.seen:
-                        self.seen[q.pid] = q.create_time()
-                        try:
-                            self.cmdlines[q.pid] = " ".join(q.cmdline())
-                        except psutil.Error:
-                            pass
+                    with self._seen_lock:
+                        if q.pid in self.seen:
+                            continue
+                    created = q.create_time()
+                    try:
+                        cmdline = " ".join(q.cmdline())
+                    except psutil.Error:
+                        cmdline = None
+                    with self._seen_lock:
+                        self.seen.setdefault(q.pid, created)
+                        if cmdline is not None:
+                            self.cmdlines.setdefault(q.pid, cmdline)
             except psutil.Error:
                 pass
+
+    def seen_pids(self) -> dict[int, float]:
+        """A snapshot of ``seen`` (pid -> create_time), safe while the sampler runs."""
+        with self._seen_lock:
+            return dict(self.seen)
 
     # --- observing ----------------------------------------------------------------------
     def output(self) -> str:
@@ -139,7 +153,7 @@ class Job:
         """Global rank -> pid of each worker process."""
         launched = {q.pid for q in self.procs}
         out = {}
-        for pid in list(self.seen):
+        for pid in self.seen_pids():
             try:
                 p = psutil.Process(pid)
                 is_worker = (p.ppid() in launched) if self.torchrun else (pid in launched)
@@ -176,7 +190,7 @@ class Job:
     def alive(self) -> list[int]:
         """Pids of this job's processes (any ever seen) that still exist."""
         out = []
-        for pid, created in self.seen.items():
+        for pid, created in self.seen_pids().items():
             try:
                 p = psutil.Process(pid)
                 if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
@@ -197,6 +211,7 @@ class Job:
     def kill(self) -> None:
         """SIGKILL every process this job started that still exists."""
         self._done.set()
+        self._sampler.join(timeout=5)  # after this, ``seen`` and ``cmdlines`` no longer change
         for pid in self.alive():
             try:
                 os.kill(pid, signal.SIGKILL)
