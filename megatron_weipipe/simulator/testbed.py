@@ -1,18 +1,19 @@
 """Predict a row of the link testbed (tools/simulator_validation/link_testbed.py) from host microbenchmarks.
 
-The testbed runs the trainer on two ranks, each pinned to its own core with one thread,
-over a veth link shaped by tc to an emulated rate and latency, in float32 with torch's
-SDPA attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (1f1b,
-interleaved with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1,
-DP = 2), this last under each of FSDP2's options (no reshard after forward, one gradient
-sync per iteration, both): ``TESTBED_ROWS`` is the one map from a row's name to what the
-trainer runs and what the simulator replays. The prediction replays the same schedule
-with the costs of a HostCalibration of the same shape (layer forward / backward, embedding, head, optimizer step, timed by
-training/host_calibration.py), the trainer's fixed costs (tools/simulator_validation/fsdp2_overhead.py: FSDP2's
-per unit, the training loop's per iteration) and the emulated link as tc shapes it: its
-rate, its latency where netem applies it, its token bucket where tbf shapes the rate
-alone, plus what a gloo message costs on this host (training/host_calibration.py's link
-probe: CPU per byte; tools/simulator_validation/message_delay.py: fixed seconds per message).
+The testbed runs the trainer on two ranks, each pinned to its own core with one thread, over
+a veth link shaped by tc to an emulated rate and latency, in float32 with torch's SDPA
+attention, rope, no dropout, micro-batch 1. Its rows are PP = 2 pipelines (1f1b, interleaved
+with 2 virtual stages, weipipe-interleave, weipipe-zb) and FSDP (PP = 1, DP = 2), this last
+under each of FSDP2's options (no reshard after forward, one gradient sync per iteration,
+both): ``TESTBED_ROWS`` is the one map from a row's name to what the trainer runs and what
+the simulator replays. The prediction replays the same schedule with the costs of a
+HostCalibration of the same shape (layer forward / backward, embedding, head, optimizer
+step, timed by training/host_calibration.py), the trainer's fixed costs
+(tools/simulator_validation/fsdp2_overhead.py: FSDP2's per unit, the training loop's per
+iteration) and the emulated link as tc shapes it: its rate, its latency where netem applies
+it, its token bucket where tbf shapes the rate alone, plus what a gloo message costs on this
+host (training/host_calibration.py's link probe: CPU per byte;
+tools/simulator_validation/message_delay.py: fixed seconds per message).
 Nothing is fitted to the testbed's rows.
 """
 

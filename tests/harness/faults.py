@@ -109,17 +109,12 @@ class Job:
                 top = psutil.Process(p.pid)
                 for q in [top, *top.children(recursive=True)]:
                     with self._seen_lock:
-                        if q.pid in self.seen:
-                            continue
-                    created = q.create_time()
-                    try:
-                        cmdline = " ".join(q.cmdline())
-                    except psutil.Error:
-                        cmdline = None
-                    with self._seen_lock:
-                        self.seen.setdefault(q.pid, created)
-                        if cmdline is not None:
-                            self.cmdlines.setdefault(q.pid, cmdline)
+                        if q.pid not in self.seen:
+                            self.seen[q.pid] = q.create_time()
+                            try:
+                                self.cmdlines[q.pid] = " ".join(q.cmdline())
+                            except psutil.Error:
+                                pass
             except psutil.Error:
                 pass
 

@@ -22,7 +22,7 @@ import argparse
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,8 +140,6 @@ def check(groups: list[Group], calibration_dirs: list[str], measure_link: bool =
     probes = testbed_compare._probes(a, True, {})
     if not measure_link:
         probes.cpu_s_per_byte = RECORDED_CPU_S_PER_BYTE
-    from dataclasses import replace
-
     from megatron_weipipe.simulator.testbed import TestbedShape
 
     out = []

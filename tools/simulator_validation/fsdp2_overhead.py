@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from megatron_weipipe.simulator.testbed import TESTBED_ROWS
+from megatron_weipipe.simulator.testbed import TESTBED_ROWS, testbed_row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,7 +56,6 @@ def measure(a) -> dict:
     """Per round, the mean forward and backward seconds of one microbatch under FSDP2 and DDP."""
     from megatron_weipipe.schedules.timing import measured
     from tools.simulator_validation import netns
-    from megatron_weipipe.simulator.testbed import testbed_row
     from tools.simulator_validation.link_testbed import model_argv
 
     with tempfile.TemporaryDirectory(prefix="fsdp2_overhead") as work:

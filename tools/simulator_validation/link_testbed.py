@@ -21,14 +21,14 @@ its options. --microbatches takes several global batches (micro-batch 1): a pipe
 runs every microbatch of the batch, an FSDP2 rank half of them, so `--microbatches 2 8 32`
 is 1, 4 and 16 microbatches per FSDP2 rank at the same tokens per iteration for every row;
 each (sequence, batch) is a group of its own, its rounds interleaved like the others.
-Sequences run in increasing order: rounds that visited every sequence in turn (so that a row's rounds spread over the preset's minutes) made the 1K-2K
-runs that followed 16K-32K runs in the same process compute 10-20% slower. Each run
-trains a warm-up iteration, which is not measured, and then as many as make its tokens
-those of one 16K-token iteration of 4 microbatches (16 at 1K and 4 microbatches, 1 from 16K
-on; --iters fixes the count; --short-warmup makes the warm-up 2 microbatches, the batch
-ramping to the full one after it as Megatron's --rampup-batch-size does), so a
-short sequence's row is a median over as much work as a long one's rather than over one
-iteration of tens of milliseconds.
+Sequences run in increasing order: rounds that visited every sequence in turn (so that a
+row's rounds spread over the preset's minutes) made the 1K-2K runs that followed 16K-32K
+runs in the same process compute 10-20% slower. Each run trains a warm-up iteration, which
+is not measured, and then as many as make its tokens those of one 16K-token iteration of 4
+microbatches (16 at 1K and 4 microbatches, 1 from 16K on; --iters fixes the count;
+--short-warmup makes the warm-up 2 microbatches, the batch ramping to the full one after it
+as Megatron's --rampup-batch-size does), so a short sequence's row is a median over as much
+work as a long one's rather than over one iteration of tens of milliseconds.
 Before each sequence's runs both ranks time the model's layers at that sequence on their
 own cores (megatron_weipipe/training/host_calibration.py, in the rank processes, repeated for at least
 --calibrate-seconds; --calibrate-repeats 0 skips it): the --save file keeps these in-run
